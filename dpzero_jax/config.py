@@ -1,0 +1,76 @@
+"""The frozen, validated configuration of the private gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from dpzero_jax.clipping import CLIP_FUNCTIONS, validate_groups
+from dpzero_jax.pergrad import NORM_METHODS
+
+MODES = ("auto", "bk", "ghost", "fused", "vmap")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPConfig:
+    """How the private gradient is computed.
+
+    noise_multiplier: sigma; the noise std on the clipped sum is ``sigma * ||(R_1..R_M)||``. 0 gives the exact
+        clipped (non-private) gradient, for tests and baselines.
+    max_grad_norm: R; group thresholds default to ``R / sqrt(M)``.
+    clip_fn: ``"abadi"`` (``min(1, R/||g||)``), ``"automatic"`` (``R/(||g|| + gamma)``) or ``"global"``
+        (``1{||g|| < R}``).
+    groups: ``"all-layer"``, ``"layer-wise"``, ``"param-wise"``, ``("uniform", k)``, ``{path: group}`` or a callable.
+    mode: ``"auto"`` (default), ``"bk"``, ``"ghost"``, ``"fused"`` or ``"vmap"``.
+    norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``), ``"ghost"`` or ``"instantiate"``.
+    expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
+    microbatch_size: examples per chunk in ``vmap`` mode (``None``: the whole batch at once).
+    gamma: the stability constant of automatic clipping.
+    group_thresholds: explicit ``(R_1..R_M)`` instead of ``R / sqrt(M)``.
+    """
+
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    clip_fn: str = "abadi"
+    groups: Any = "all-layer"
+    mode: str = "auto"
+    norm_method: str = "mixed"
+    expected_batch_size: float | None = None
+    microbatch_size: int | None = None
+    gamma: float = 0.01
+    group_thresholds: Sequence[float] | None = None
+
+    def __post_init__(self):
+        def positive_number(name, value, allow_zero=False):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"DPConfig.{name} must be a finite number, got {value!r}")
+            if value < 0 or (value == 0 and not allow_zero):
+                raise ValueError(f"DPConfig.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+        positive_number("noise_multiplier", self.noise_multiplier, allow_zero=True)
+        positive_number("max_grad_norm", self.max_grad_norm)
+        positive_number("gamma", self.gamma)
+        if self.clip_fn not in CLIP_FUNCTIONS:
+            raise ValueError(f"DPConfig.clip_fn={self.clip_fn!r}: expected one of {CLIP_FUNCTIONS}")
+        if self.mode not in MODES:
+            raise ValueError(f"DPConfig.mode={self.mode!r}: expected one of {MODES}")
+        if self.norm_method not in NORM_METHODS:
+            raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {NORM_METHODS}")
+        validate_groups(self.groups)
+        if self.expected_batch_size is not None:
+            positive_number("expected_batch_size", self.expected_batch_size)
+        if self.microbatch_size is not None and (isinstance(self.microbatch_size, bool) or
+                                                 not isinstance(self.microbatch_size, int) or
+                                                 self.microbatch_size < 1):
+            raise ValueError(f"DPConfig.microbatch_size must be a positive int or None, got {self.microbatch_size!r}")
+        if self.group_thresholds is not None:
+            object.__setattr__(self, "group_thresholds", tuple(float(r) for r in self.group_thresholds))
+            if any(not math.isfinite(r) or r <= 0 for r in self.group_thresholds):
+                raise ValueError(f"DPConfig.group_thresholds must be positive, got {self.group_thresholds}")
+        if isinstance(self.groups, list):
+            raise ValueError("DPConfig.groups: use a tuple ('uniform', k), not a list")
+
+    def replace(self, **changes) -> DPConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,433 @@
+"""The engine: exact clipped per-example gradient sums in four modes on one registry of layer rules.
+
+Entry points (re-exported by the package): :func:`private_value_and_grad`, :func:`per_example_grad_norms`,
+:func:`make_plan`.
+
+A call first *plans* (one abstract trace of the loss under a :class:`~dpzero_jax.tape.DiscoveryTape`): which layer
+calls use which trainable leaves, shapes, tied weights, the parameter groups -- and it fails with the parameter's
+path if a trainable leaf is used outside a supported layer. Then a mode computes, per example ``i`` and group ``m``,
+the norm of the group's gradient and the clipped sum ``sum_i C_{m,i} g_{m,i}``:
+
+* ``bk``    book-keeping: one backward pass to the layer outputs (no parameter gradients by autodiff), norms and
+            clipped sums from the captured layer inputs and output gradients;
+* ``ghost`` one forward, two pullbacks: norms through per-layer sinks, then the clipped sum through per-layer ports;
+* ``fused`` one pullback; each layer clips its own (layer-local) groups in its custom backward;
+* ``vmap``  per-example gradients by ``jax.vmap(jax.grad)``, ``microbatch_size`` examples at a time (the reference);
+* ``auto``  the mode the cost model (:func:`choose_mode`) picks for this backend and these shapes.
+
+Noise and normalisation are in :mod:`dpzero_jax.noise`, the clip functions and groups in :mod:`dpzero_jax.clipping`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpzero_jax import clipping, noise, pergrad
+from dpzero_jax import tape as tape_lib
+from dpzero_jax.config import DPConfig
+
+Array = jax.Array
+
+
+class DPStats(NamedTuple):
+    """Per-step statistics of the private gradient.
+
+    norms: ``[B]`` per-example gradient norms (``[B, M]`` with ``M > 1`` groups); clip_factors: same shape, the
+    coefficients actually applied (0 for masked or non-finite examples); num_nonfinite: examples (among those not
+    masked) whose loss or norm was non-finite and that were therefore dropped; num_included: examples that
+    contributed.
+    """
+
+    norms: Array
+    clip_factors: Array
+    num_nonfinite: Array
+    num_included: Array
+
+
+class UnsupportedParameterError(ValueError):
+    """A trainable parameter is used outside the supported DP layers."""
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_paths(tree) -> list[str]:
+    """``"a/b/0/kernel"``-style paths of the leaves of ``tree`` in flatten order (nnx's ``.value`` dropped)."""
+    paths = []
+    for keypath, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [_key_name(k) for k in keypath]
+        if len(names) > 1 and names[-1] == "value" and isinstance(keypath[-1], jax.tree_util.GetAttrKey):
+            names = names[:-1]
+        paths.append("/".join(names))
+    return paths
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one abstract trace of the loss tells the engine (static: no arrays)."""
+
+    paths: tuple[str, ...]                         # trainable leaves, flatten order
+    records: tuple[tape_lib.CallRecord, ...]       # layer calls that use trainable leaves, trace order
+    uses: dict[str, tuple[tuple[int, str], ...]]   # path -> ((call index, parameter name), ...)
+    group_of: dict[str, int]
+    group_names: tuple[str, ...]
+    thresholds: tuple[float, ...]
+    batch_size: int
+
+    @property
+    def shared_calls(self) -> frozenset[int]:
+        return frozenset(i for us in self.uses.values() if len(us) > 1 for i, _ in us)
+
+    @property
+    def unclaimed(self) -> tuple[str, ...]:
+        return tuple(p for p in self.paths if p not in self.uses)
+
+
+def _batch_size(batch) -> int:
+    sizes = {leaf.shape[0] if getattr(leaf, "ndim", 0) >= 1 else None for leaf in jax.tree.leaves(batch)}
+    if not sizes:
+        raise ValueError("the batch has no arrays")
+    if None in sizes or len(sizes) != 1:
+        shapes = jax.tree.map(lambda x: tuple(getattr(x, "shape", ())), batch)
+        raise ValueError(f"every array of the batch needs the same leading batch axis; got shapes {shapes}")
+    return sizes.pop()
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def _used_inputs(closed_jaxpr) -> list[bool]:
+    from jax._src.interpreters import partial_eval as pe  # no public API for dead-code elimination
+
+    _, used = pe.dce_jaxpr(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))
+    return used
+
+
+def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_supported: bool = True) -> Plan:
+    """Trace ``loss_fn`` abstractly once and plan the private gradient (see the module docstring)."""
+    leaves, treedef = jax.tree.flatten(params)
+    paths = leaf_paths(params)
+    for path, leaf in zip(paths, leaves):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(f"trainable parameter {path!r} has dtype {jnp.result_type(leaf)}; trainable "
+                            "parameters must be floating point (keep integer state out of params)")
+    batch_size = _batch_size(batch)
+    records: list[tape_lib.CallRecord] = []
+
+    def traced(leaves, batch):
+        discovery = tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)})
+        with tape_lib.active(discovery):
+            losses = loss_fn(jax.tree.unflatten(treedef, leaves), batch)
+        records.extend(discovery.records)
+        return losses
+
+    closed = jax.make_jaxpr(traced)(_abstract(leaves), _abstract(batch))
+    out = closed.out_avals
+    if len(out) != 1 or out[0].shape != (batch_size,):
+        raise ValueError(f"loss_fn must return per-example losses of shape [B] = ({batch_size},); got "
+                         f"{[tuple(a.shape) for a in out]}")
+    if require_supported:
+        used = _used_inputs(closed)[:len(leaves)]
+        outside = [path for path, u in zip(paths, used) if u]
+        if outside:
+            raise UnsupportedParameterError(
+                f"trainable parameters used outside a supported DP layer: {outside}. Build the model from "
+                "dpzero_jax layers (dpzero_jax.nn / dpzero_jax.ops), freeze these parameters (leave them out of "
+                "params), or use mode='vmap'.")
+    trainable_records = tuple(r for r in records if r.param_paths)
+    uses: dict[str, list] = collections.defaultdict(list)
+    for record in trainable_records:
+        for name, path in record.param_paths:
+            uses[path].append((record.index, name))
+    layer_order = [clipping.parent(path) for r in trainable_records for _, path in r.param_paths]
+    group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
+    thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
+    return Plan(tuple(paths), trainable_records, {p: tuple(u) for p, u in uses.items()}, group_of, group_names,
+                tuple(float(t) for t in thresholds), batch_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers shared by the modes.
+
+def _leaf_ids(params) -> dict[int, str]:
+    return {id(leaf): path for leaf, path in zip(jax.tree.leaves(params), leaf_paths(params))}
+
+
+def _group_sq(plan: Plan, sq_by_path: dict[str, Array]) -> Array:
+    """``[B, M]`` squared group norms from ``{path: [B]}``."""
+    group_sq = jnp.zeros((plan.batch_size, len(plan.group_names)), jnp.float32)
+    for path, sq in sq_by_path.items():
+        group_sq = group_sq.at[:, plan.group_of[path]].add(sq.astype(jnp.float32))
+    return group_sq
+
+
+def _assemble(params, grads_by_path: dict[str, Array]):
+    """A pytree like ``params`` with the given gradients (zeros for unused leaves)."""
+    leaves, treedef = jax.tree.flatten(params)
+    out = [grads_by_path[p].astype(leaf.dtype) if p in grads_by_path else jnp.zeros(leaf.shape, leaf.dtype)
+           for p, leaf in zip(leaf_paths(params), leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _per_example_uses(plan: Plan, calls: dict[int, tuple], cotangents: dict[int, Array], paths) -> dict:
+    """``{path: [PerExampleGrad, ...]}`` from captured ``calls[index] = (x, params)`` and output gradients."""
+    by_index = {r.index: r for r in plan.records}
+    cache: dict[int, dict] = {}
+    uses = {}
+    for path in paths:
+        uses[path] = []
+        for index, name in plan.uses[path]:
+            if index not in cache:
+                record = by_index[index]
+                x, call_params = calls[index]
+                cache[index] = record.rule.per_example_grads(call_params, x, cotangents[index], record.spec)
+            uses[path].append(cache[index][name])
+    return uses
+
+
+class _Clipped(NamedTuple):
+    losses: Array        # [B]
+    clipped_sum: Any     # pytree like params, sum_i C_{m,i} g_{m,i}
+    norms: Array         # [B, M]
+    coef: Array          # [B, M]
+
+
+def _keep(losses, mask):
+    return jnp.logical_and(mask, jnp.isfinite(losses))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The modes.
+
+def _bk(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+    leaf_ids = _leaf_ids(params)
+    probes = {r.index: jnp.zeros(r.output_shape, r.output_dtype) for r in plan.records}
+
+    def forward(probes):
+        capture = tape_lib.CaptureTape(leaf_ids, probes)
+        with tape_lib.active(capture):
+            losses = loss_fn(params, batch)
+        return losses, capture.calls
+
+    losses, pullback, calls = jax.vjp(forward, probes, has_aux=True)
+    (output_grads,) = pullback(jnp.ones_like(losses))
+    uses = _per_example_uses(plan, calls, output_grads, plan.uses)
+    sq = {path: pergrad.sq_norm(u, cfg.norm_method) for path, u in uses.items()}
+    norms = jnp.sqrt(_group_sq(plan, sq))
+    coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
+    grads = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]]) for path, u in uses.items()}
+    return _Clipped(losses, _assemble(params, grads), norms, coef)
+
+
+def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+    shared = plan.shared_calls
+    probes = {r.index: jnp.zeros(r.output_shape, r.output_dtype) for r in plan.records if r.index in shared}
+    sinks = {r.index: jnp.zeros((plan.batch_size, len(r.names)), jnp.float32)
+             for r in plan.records if r.index not in shared}
+
+    def forward(params, sinks, probes):
+        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method)
+        with tape_lib.active(ghost):
+            losses = loss_fn(params, batch)
+        return (losses, ghost.ports), ghost.calls
+
+    (losses, ports), pullback, calls = jax.vjp(forward, params, sinks, probes, has_aux=True)
+    ones = jnp.ones_like(losses)
+    _, sink_ct, probe_ct = pullback((ones, jax.tree.map(jnp.zeros_like, ports)))
+    by_index = {r.index: r for r in plan.records}
+    sq = {}
+    for index, per_param in sink_ct.items():
+        for j, (_, path) in enumerate(by_index[index].param_paths):
+            sq[path] = sq.get(path, 0.0) + per_param[:, j]
+    shared_paths = [p for p, us in plan.uses.items() if len(us) > 1]
+    shared_uses = _per_example_uses(plan, calls, probe_ct, shared_paths)
+    for path, u in shared_uses.items():
+        sq[path] = pergrad.sq_norm(u, cfg.norm_method)
+    norms = jnp.sqrt(_group_sq(plan, sq))
+    coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
+    port_ct = {index: jnp.stack([coef[:, plan.group_of[path]] for _, path in by_index[index].param_paths], axis=1)
+               for index in ports}
+    clipped, _, _ = pullback((ones, port_ct))
+    extra = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]]) for path, u in shared_uses.items()}
+    if extra:
+        extra_tree = _assemble(params, extra)
+        clipped = jax.tree.map(jnp.add, clipped, extra_tree)
+    return _Clipped(losses, clipped, norms, coef)
+
+
+def _fused_local_clips(cfg: DPConfig, plan: Plan) -> dict[int, tape_lib.LocalClip]:
+    calls_of_group = collections.defaultdict(set)
+    for path, us in plan.uses.items():
+        if len(us) > 1:
+            raise ValueError(f"mode='fused' clips inside each layer, but parameter {path!r} is used by "
+                             f"{len(us)} layer calls (tied weights); use mode='bk' or 'ghost'")
+        calls_of_group[plan.group_of[path]].add(us[0][0])
+    for group, calls in calls_of_group.items():
+        if len(calls) > 1:
+            raise ValueError(f"mode='fused' needs every clipping group inside one layer, but group "
+                             f"{plan.group_names[group]!r} spans {len(calls)} layer calls; use groups='layer-wise' "
+                             "or 'param-wise', or mode='bk' / 'ghost' / 'vmap'")
+
+    def coefficients(norms, thresholds, keep):
+        return clipping.coefficients(norms, thresholds, keep, cfg.clip_fn, cfg.gamma)
+
+    clips = {}
+    for record in plan.records:
+        groups = [plan.group_of[path] for _, path in record.param_paths]
+        local = list(dict.fromkeys(groups))
+        clips[record.index] = tape_lib.LocalClip(tuple(local.index(g) for g in groups),
+                                                 tuple(plan.thresholds[g] for g in local), coefficients)
+    return clips
+
+
+def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+    clips = _fused_local_clips(cfg, plan)
+    sinks = {r.index: jnp.zeros((plan.batch_size, len(r.names)), jnp.float32) for r in plan.records}
+    keep = mask.astype(jnp.float32)
+
+    def forward(params, sinks):
+        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method)
+        with tape_lib.active(fused):
+            return loss_fn(params, batch)
+
+    losses, pullback = jax.vjp(forward, params, sinks)
+    clipped, sink_ct = pullback(jnp.ones_like(losses))
+    sq = {path: sink_ct[r.index][:, j] for r in plan.records for j, (_, path) in enumerate(r.param_paths)}
+    norms = jnp.sqrt(_group_sq(plan, sq))
+    # The coefficients the layers applied, recomputed for the statistics (the layers saw the mask and their own
+    # norms; an example with a non-finite loss has non-finite output gradients, hence norms, in every layer).
+    coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
+    return _Clipped(losses, clipped, norms, coef)
+
+
+def _vmap(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+    batch_size = plan.batch_size
+    chunk = min(cfg.microbatch_size or batch_size, batch_size)
+    n_chunks = -(-batch_size // chunk)
+    padded = n_chunks * chunk - batch_size
+
+    def pad_and_split(x):
+        if padded:
+            x = jnp.concatenate([x, jnp.zeros((padded,) + x.shape[1:], x.dtype)])
+        return x.reshape((n_chunks, chunk) + x.shape[1:])
+
+    chunks = jax.tree.map(pad_and_split, batch)
+    chunk_mask = pad_and_split(mask)
+    leaves, treedef = jax.tree.flatten(params)
+    leaf_groups = [plan.group_of[p] for p in plan.paths]
+    thresholds = jnp.asarray(plan.thresholds)
+    n_groups = len(plan.group_names)
+
+    def example_loss(params, example):
+        return loss_fn(params, jax.tree.map(lambda x: x[None], example))[0]
+
+    value_and_grads = jax.vmap(jax.value_and_grad(example_loss), in_axes=(None, 0))
+
+    def step(acc, inputs):
+        examples, keep = inputs
+        losses, grads = value_and_grads(params, examples)
+        grad_leaves = jax.tree.leaves(grads)
+        group_sq = jnp.zeros((chunk, n_groups), jnp.float32)
+        for leaf, group in zip(grad_leaves, leaf_groups):
+            group_sq = group_sq.at[:, group].add(jnp.sum(jnp.square(leaf.astype(jnp.float32)).reshape(chunk, -1), 1))
+        norms = jnp.sqrt(group_sq)
+        coef = clipping.coefficients(norms, thresholds, _keep(losses, keep), cfg.clip_fn, cfg.gamma)
+        acc = [a + pergrad.weighted_sum([pergrad.Direct(g)], coef[:, group])
+               for a, g, group in zip(acc, grad_leaves, leaf_groups)]
+        return acc, (losses, norms, coef)
+
+    init = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves]
+    acc, (losses, norms, coef) = jax.lax.scan(step, init, (chunks, chunk_mask))
+    flat = lambda x: x.reshape((n_chunks * chunk,) + x.shape[2:])[:batch_size]  # noqa: E731
+    clipped = jax.tree.unflatten(treedef, [a.astype(leaf.dtype) for a, leaf in zip(acc, leaves)])
+    return _Clipped(flat(losses), clipped, flat(norms), flat(coef))
+
+
+MODES: dict[str, Callable[..., _Clipped]] = {"bk": _bk, "ghost": _ghost, "fused": _fused, "vmap": _vmap}
+
+
+def choose_mode(cfg: DPConfig, plan: Plan, backend: str | None = None) -> DPConfig:
+    """The cost model behind ``mode="auto"``: a config with a concrete mode for this backend and plan.
+
+    On CPU, XLA runs one example's gradient as efficiently as a batch's, so per-example gradients one example at a
+    time cost no more than the non-private step, while book-keeping adds the norm computation: ``vmap`` with
+    ``microbatch_size=1``. On accelerators a per-example loop leaves the device idle and book-keeping wins; when the
+    output gradients it keeps would take more memory than the ghost norm's, ``ghost`` instead.
+    """
+    if cfg.mode != "auto":
+        return cfg
+    backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return cfg.replace(mode="vmap", microbatch_size=cfg.microbatch_size or 1)
+    kept_output_grads = sum(math.prod(r.output_shape) for r in plan.records)
+    kept_inputs = sum(math.prod(r.input_shape) for r in plan.records)
+    return cfg.replace(mode="bk" if kept_output_grads <= 2 * kept_inputs else "ghost")
+
+
+def _check_mask(mask, batch_size):
+    if mask is None:
+        return jnp.ones((batch_size,), bool)
+    mask = jnp.asarray(mask)
+    if mask.shape != (batch_size,):
+        raise ValueError(f"mask must have shape [B] = ({batch_size},), got {mask.shape}")
+    return mask.astype(bool)
+
+
+def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
+    """Transform ``loss_fn(params, batch) -> [B]`` into a differentially private gradient function.
+
+    Returns ``fn(params, batch, key, mask=None) -> (losses [B], grads, stats: DPStats)`` with
+    ``grads = (sum_i mask_i C_i grad L_i + sigma ||R|| N(0, I)) / expected_batch_size`` (paper 000, eq. 1), where
+    the clip factors ``C_{m,i}`` are taken per group. ``key`` is the PRNG key of the noise (required, even with
+    ``noise_multiplier=0``, so that the call signature never changes). Works under ``jax.jit``.
+    """
+    if not isinstance(cfg, DPConfig):
+        raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
+
+    def private_grad(params, batch, key, mask=None):
+        plan = make_plan(loss_fn, cfg, params, batch, require_supported=cfg.mode != "vmap")
+        concrete = choose_mode(cfg, plan)
+        mask = _check_mask(mask, plan.batch_size)
+        result = MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask)
+        divisor = cfg.expected_batch_size or plan.batch_size
+        if cfg.noise_multiplier > 0:
+            std = noise.noise_std(cfg.noise_multiplier, plan.thresholds)
+            grads = noise.add_noise_and_normalise(result.clipped_sum, key, std, divisor)
+        else:
+            grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / divisor).astype(g.dtype), result.clipped_sum)
+        nonfinite = jnp.logical_and(mask, jnp.logical_not(jnp.logical_and(
+            jnp.isfinite(result.losses), jnp.all(jnp.isfinite(result.norms), axis=1))))
+        squeeze = (lambda x: x[:, 0]) if result.norms.shape[1] == 1 else (lambda x: x)
+        stats = DPStats(squeeze(result.norms), squeeze(result.coef), jnp.sum(nonfinite).astype(jnp.int32),
+                        jnp.sum(jnp.logical_and(mask, jnp.logical_not(nonfinite))).astype(jnp.int32))
+        return result.losses, grads, stats
+
+    return private_grad
+
+
+def per_example_grad_norms(loss_fn: Callable, params, batch, *, norm_method: str = "mixed",
+                           mode: str = "bk") -> Array:
+    """``[B]`` exact L2 norms of the per-example gradients over all parameters (no clipping, no noise).
+
+    ``mode="bk"`` uses the layer rules (fails on parameters outside supported layers); ``mode="vmap"`` computes
+    per-example gradients.
+    """
+    if mode not in ("bk", "ghost", "vmap"):
+        raise ValueError(f"per_example_grad_norms: mode must be 'bk', 'ghost' or 'vmap', got {mode!r}")
+    cfg = DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method=norm_method)
+    plan = make_plan(loss_fn, cfg, params, batch, require_supported=mode != "vmap")
+    mask = jnp.ones((plan.batch_size,), bool)
+    return MODES[mode](loss_fn, cfg, plan, params, batch, mask).norms[:, 0]

@@ -1,0 +1,60 @@
+"""A GPT-2-style decoder from DP layers: learned positions, pre-LN blocks, GELU MLP, tied or untied LM head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpzero_jax import nn
+from dpzero_jax.models.transformer import Block
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None          # MLP width; default 4 * n_embd
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPT2Config.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+
+class GPT2(nnx.Module):
+    """``input_ids [B, T] -> logits [B, T, vocab_size]``."""
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        self.config = config
+        d = config.n_embd
+        self.wte = nn.Embed(config.vocab_size, d, rngs=rngs)
+        self.wpe = nn.Embed(config.n_positions, d, stddev=0.01, rngs=rngs)
+        self.h = nnx.List([Block(d, config.n_head, config.n_inner or 4 * d, causal=True, approximate_gelu=True,
+                                 eps=config.layer_norm_epsilon, rngs=rngs) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, use_bias=False,
+                                                                          rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        batch, length = input_ids.shape
+        if length > self.config.n_positions:
+            raise ValueError(f"sequence length {length} exceeds n_positions={self.config.n_positions}")
+        positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        return self.wte.attend(x) if self.lm_head is None else self.lm_head(x)

@@ -1,0 +1,66 @@
+"""A ViT classifier from DP layers: linear patch embedding, class token and positions as embeddings, pre-LN blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpzero_jax import nn
+from dpzero_jax.models.transformer import Block
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    image_size: int = 32
+    patch_size: int = 4
+    num_channels: int = 3
+    hidden_size: int = 192
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 3
+    intermediate_size: int = 768
+    num_classes: int = 10
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.image_size % self.patch_size:
+            raise ValueError(f"ViTConfig: image_size={self.image_size} is not divisible by "
+                             f"patch_size={self.patch_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("ViTConfig: hidden_size must be divisible by num_attention_heads")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+class ViT(nnx.Module):
+    """``image [B, H, W, C] -> logits [B, num_classes]`` (classification from the class token)."""
+
+    def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d = config.hidden_size
+        self.patch_embed = nn.PatchEmbed(config.patch_size, config.num_channels, d, rngs=rngs)
+        self.cls_token = nn.Embed(1, d, rngs=rngs)
+        self.position = nn.Embed(config.num_patches + 1, d, rngs=rngs)
+        self.blocks = nnx.List([Block(d, config.num_attention_heads, config.intermediate_size, causal=False,
+                                      approximate_gelu=False, eps=config.layer_norm_eps, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.ln = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.head = nn.Linear(d, config.num_classes, rngs=rngs)
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        c = self.config
+        if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.num_channels):
+            raise ValueError(f"images must be [B, {c.image_size}, {c.image_size}, {c.num_channels}], "
+                             f"got {images.shape}")
+        batch = images.shape[0]
+        patches = self.patch_embed(images)                                   # [B, N, d]
+        cls = self.cls_token(jnp.zeros((batch, 1), jnp.int32))              # [B, 1, d]
+        x = jnp.concatenate([cls, patches], axis=1)
+        x = x + self.position(jnp.broadcast_to(jnp.arange(x.shape[1]), (batch, x.shape[1])))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x[:, 0]))

@@ -1,0 +1,106 @@
+"""Flax NNX modules over the DP layer primitives of :mod:`dpzero_jax.ops`.
+
+Thin wrappers: each holds its ``nnx.Param`` s and calls one primitive, so any model built from them gets exact
+per-example norms in every engine mode. All inputs carry the batch axis first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpzero_jax import ops
+
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+
+
+class Linear(nnx.Module):
+    """``[B, *T, in_features] -> [B, *T, out_features]``."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+                 kernel_init=default_kernel_init, bias_init=default_bias_init, rngs: nnx.Rngs):
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), jnp.float32))
+        self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), jnp.float32)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return ops.dense(x, self.kernel[...], None if self.bias is None else self.bias[...])
+
+
+class DenseGeneral(nnx.Module):
+    """Contract the trailing ``len(in_shape)`` axes of ``x [B, *T, *in_shape]`` into ``out_shape``.
+
+    E.g. a fused QKV projection ``DenseGeneral((d,), (3, H, Dh))`` or an attention output projection
+    ``DenseGeneral((H, Dh), (d,))``.
+    """
+
+    def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *, use_bias: bool = True,
+                 kernel_init=None, rngs: nnx.Rngs):
+        self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        fan_in = math.prod(self.in_shape)
+        init = kernel_init or nnx.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+        self.kernel = nnx.Param(init(rngs.params(), self.in_shape + self.out_shape, jnp.float32))
+        self.bias = nnx.Param(jnp.zeros(self.out_shape, jnp.float32)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        bias = None if self.bias is None else self.bias[...]
+        return ops.dense(x, self.kernel[...], bias, n_in=len(self.in_shape))
+
+
+class Embed(nnx.Module):
+    """Token or positional embedding ``ids [B, *T] -> [B, *T, features]``; ``attend`` is the tied output head."""
+
+    def __init__(self, num_embeddings: int, features: int, *, stddev: float = 0.02, rngs: nnx.Rngs):
+        self.num_embeddings, self.features = num_embeddings, features
+        self.embedding = nnx.Param(nnx.initializers.normal(stddev)(rngs.params(), (num_embeddings, features),
+                                                                   jnp.float32))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return ops.embed(ids, self.embedding[...])
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """``x [B, *T, features] -> [B, *T, num_embeddings]`` logits against the table (tied weights)."""
+        return ops.dense_transposed(x, self.embedding[...])
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, num_features: int, *, eps: float = 1e-5, use_scale: bool = True, use_bias: bool = True,
+                 rngs: nnx.Rngs | None = None):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((num_features,), jnp.float32)) if use_scale else None
+        self.bias = nnx.Param(jnp.zeros((num_features,), jnp.float32)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return ops.layer_norm(x, None if self.scale is None else self.scale[...],
+                              None if self.bias is None else self.bias[...], eps=self.eps)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, num_features: int, *, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((num_features,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return ops.rms_norm(x, self.scale[...], eps=self.eps)
+
+
+class PatchEmbed(nnx.Module):
+    """ViT patch embedding as a linear map on flattened patches: ``[B, H, W, C] -> [B, (H/P)(W/P), features]``."""
+
+    def __init__(self, patch_size: int, in_channels: int, features: int, *, rngs: nnx.Rngs):
+        self.patch_size = patch_size
+        self.proj = Linear(patch_size * patch_size * in_channels, features, rngs=rngs)
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        batch, height, width, channels = images.shape
+        p = self.patch_size
+        if height % p or width % p:
+            raise ValueError(f"image size {height}x{width} is not divisible by the patch size {p}")
+        patches = images.reshape(batch, height // p, p, width // p, p, channels)
+        patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(batch, (height // p) * (width // p), p * p * channels)
+        return self.proj(patches)

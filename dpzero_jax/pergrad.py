@@ -1,0 +1,160 @@
+"""Algebra of factored per-example gradients: norms and clipped sums without per-example gradients.
+
+Every supported layer writes the per-example gradient of each of its parameters in one of two forms:
+
+* :class:`Outer` -- a weight viewed as a ``[rows, cols]`` matrix whose per-example gradient is a sum of outer
+  products over positions, ``G_i = sum_t left[i, t] (x) right[i, t]`` (a linear layer: ``a_i^T g_i``; an
+  embedding: ``onehot(ids_i)^T g_i`` with the one-hot never built);
+* :class:`Direct` -- the per-example gradient itself, ``[B, *shape]`` (biases and norm scales: cheap).
+
+A parameter used by several layer calls (tied weights) has one entry per use; its per-example gradient is the sum
+of the uses and its squared norm includes every cross term ``2 <G_u, G_v>``.
+
+The squared Frobenius norm of an :class:`Outer` gradient is computed either by the ghost norm
+``<L_i L_i^T, R_i R_i^T>`` (memory ``B*T*T``) or by instantiating ``G_i`` (memory ``B*rows*cols``); the *mixed*
+rule picks ghost iff ``2 T^2 < rows * cols`` (paper 000, Appendix A), decided from static shapes at trace time.
+All norms are accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+NORM_METHODS = ("mixed", "ghost", "instantiate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    """Per-example gradient ``G_i = sum_t left[i, t] (x) right[i, t]`` of a parameter of shape ``shape``.
+
+    left:  ``[B, T, rows]`` floats, or int ids ``[B, T]`` (an implicit one-hot over ``rows``) when ``left_is_ids``.
+    right: ``[B, T, cols]``.
+    ``rows * cols == prod(shape)``; the parameter is ``G`` reshaped to ``shape``.
+    """
+
+    left: Array
+    right: Array
+    rows: int
+    shape: tuple[int, ...]
+    left_is_ids: bool = False
+
+    @property
+    def cols(self) -> int:
+        return self.right.shape[-1]
+
+    @property
+    def positions(self) -> int:
+        return self.right.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Direct:
+    """Per-example gradient given explicitly: ``value [B, *shape]``."""
+
+    value: Array
+
+
+PerExampleGrad = Outer | Direct
+
+
+def _f32(x: Array) -> Array:
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _gram(u: Outer, v: Outer, side: str) -> Array:
+    """``[B, Tu, Tv]`` inner products between the position vectors of ``u`` and ``v`` on one side."""
+    if side == "right":
+        return jnp.einsum("btc,bsc->bts", u.right, v.right, preferred_element_type=jnp.float32)
+    if u.left_is_ids and v.left_is_ids:
+        return (u.left[:, :, None] == v.left[:, None, :]).astype(jnp.float32)
+    if u.left_is_ids:  # <onehot(id_t), v_s> = v[s, id_t]
+        index = jnp.broadcast_to(u.left[:, None, :], v.left.shape[:2] + u.left.shape[1:2])   # [B, Tv, Tu]
+        gathered = jnp.take_along_axis(v.left, index, axis=2)
+        return jnp.swapaxes(_f32(gathered), 1, 2)
+    if v.left_is_ids:
+        return jnp.swapaxes(_gram(v, u, "left"), 1, 2)
+    return jnp.einsum("btr,bsr->bts", u.left, v.left, preferred_element_type=jnp.float32)
+
+
+def instantiate(use: PerExampleGrad) -> Array:
+    """The per-example gradient ``[B, *shape]`` in float32 (used by the instantiation branch and by tests)."""
+    if isinstance(use, Direct):
+        return _f32(use.value)
+    batch = use.right.shape[0]
+    if use.left_is_ids:
+        rows = jnp.zeros((batch, use.rows, use.cols), jnp.float32)
+        example = jnp.broadcast_to(jnp.arange(batch)[:, None], use.left.shape)
+        full = rows.at[example, use.left].add(_f32(use.right))
+    else:
+        full = jnp.einsum("btr,btc->brc", use.left, use.right, preferred_element_type=jnp.float32)
+    return full.reshape((batch,) + tuple(use.shape))
+
+
+def use_ghost(uses: Sequence[PerExampleGrad], method: str) -> bool:
+    """The mixed ghost norm rule for one parameter, from static shapes: ghost iff ``2 T^2 < rows * cols``."""
+    if any(isinstance(u, Direct) for u in uses):
+        return False
+    if method == "ghost":
+        return True
+    if method == "instantiate":
+        return False
+    total_positions = sum(u.positions for u in uses)
+    rows_times_cols = math.prod(uses[0].shape)
+    return 2 * total_positions**2 < rows_times_cols
+
+
+def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed") -> Array:
+    """``[B]`` squared L2 norm of the per-example gradient ``sum_u G_u`` of one parameter (float32)."""
+    if not uses:
+        raise ValueError("sq_norm needs at least one use of the parameter")
+    kinds = {type(u) for u in uses}
+    if len(kinds) > 1:
+        raise TypeError("a parameter's uses must all be Outer or all be Direct")
+    if not use_ghost(uses, method):
+        total = sum(instantiate(u) for u in uses)
+        return jnp.sum(jnp.square(total).reshape(total.shape[0], -1), axis=1)
+    result = 0.0
+    for i, u in enumerate(uses):
+        for j in range(i, len(uses)):
+            v = uses[j]
+            term = jnp.sum(_gram(u, v, "left") * _gram(u, v, "right"), axis=(1, 2))
+            result = result + (term if i == j else 2.0 * term)
+    return result
+
+
+def _zero_where_inactive(x: Array, active: Array) -> Array:
+    """Zero the rows of examples with a zero coefficient (never multiply NaN by zero)."""
+    return jnp.where(active.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array) -> Array:
+    """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, float32.
+
+    coef: ``[B]``. Examples with ``coef == 0`` contribute exactly zero even if their activations or output
+    gradients are NaN or infinite.
+    """
+    active = coef != 0
+    coef = coef.astype(jnp.float32)
+    total = None
+    for u in uses:
+        if isinstance(u, Direct):
+            value = _zero_where_inactive(_f32(u.value), active)
+            part = jnp.einsum("b...,b->...", value, coef)
+        else:
+            right = _zero_where_inactive(_f32(u.right), active) * coef[:, None, None]
+            if u.left_is_ids:
+                flat = jnp.zeros((u.rows, u.cols), jnp.float32)
+                part = flat.at[u.left.reshape(-1)].add(right.reshape(-1, u.cols)).reshape(u.shape)
+            else:
+                left = _zero_where_inactive(u.left, active)
+                part = jnp.einsum("btr,btc->rc", left, right.astype(left.dtype),
+                                  preferred_element_type=jnp.float32).reshape(u.shape)
+        total = part if total is None else total + part
+    return total

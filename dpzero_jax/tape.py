@@ -1,0 +1,232 @@
+"""Tapes: what a DP layer does while the engine traces a loss.
+
+The engine (:mod:`dpzero_jax.engine`) traces the user's ``loss_fn(params, batch)`` inside :func:`active`; every
+layer primitive of :mod:`dpzero_jax.ops` then hands itself to the active tape. The tape is scoped to that one trace
+(a ``contextvars`` variable set and reset around it) -- there is no global mode.
+
+Layer calls are numbered in trace order; the numbering is identical in every trace of the same function, which lets
+the discovery trace plan what the later traces add. A parameter is recognised as trainable when the array passed to
+the layer *is* (by identity) a leaf of the ``params`` being differentiated.
+
+* :class:`DiscoveryTape` records each call (rule, spec, which trainable leaves it uses, shapes) and computes the
+  layer with zero stand-ins for trainable parameters, so that any remaining use of a parameter in the jaxpr is a
+  use outside the supported layers.
+* :class:`CaptureTape` (book-keeping): adds a zero probe to each layer output, whose cotangent is the output
+  gradient ``g``, and keeps the layer input ``x`` as auxiliary output. Parameters are not differentiated.
+* :class:`GhostTape`: a ``custom_vjp`` per layer whose backward writes the per-parameter squared norms into the
+  cotangent of a ``[B, P]`` *sink* input and, through the cotangent of a ``[B, P]`` *port* output, receives the
+  clip coefficients with which it forms the clipped weight gradient. Calls whose parameters are shared with
+  another call (tied weights) are captured as in book-keeping so that cross terms can be formed.
+* :class:`FusedTape`: a ``custom_vjp`` per layer whose backward computes the layer's norms, the clip
+  coefficients of its (layer-local) groups and the clipped weight gradient in one go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dpzero_jax import pergrad
+
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("dpzero_active_tape", default=None)
+
+
+def current():
+    """The tape of the trace in progress, or ``None`` outside the engine."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def active(tape):
+    token = _ACTIVE.set(tape)
+    try:
+        yield tape
+    finally:
+        _ACTIVE.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One layer call seen by the discovery trace."""
+
+    index: int
+    rule: Any
+    spec: Any
+    param_paths: tuple[tuple[str, str], ...]   # (parameter name in the layer, path of the trainable leaf)
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    output_dtype: Any
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.param_paths)
+
+
+class _Tape:
+    def __init__(self, leaf_paths: Mapping[int, str]):
+        self._leaf_paths = leaf_paths
+        self._count = 0
+
+    def _next(self) -> int:
+        index = self._count
+        self._count += 1
+        return index
+
+    def _split(self, params):
+        """``(trainable {name: array}, frozen {name: array | None}, paths {name: path})``."""
+        trainable, frozen, paths = {}, {}, {}
+        for name, value in params.items():
+            path = None if value is None else self._leaf_paths.get(id(value))
+            if path is None:
+                frozen[name] = value
+            else:
+                trainable[name] = value
+                paths[name] = path
+        return trainable, frozen, paths
+
+
+class DiscoveryTape(_Tape):
+    def __init__(self, leaf_paths):
+        super().__init__(leaf_paths)
+        self.records: list[CallRecord] = []
+
+    def call(self, rule, spec, params, x):
+        index = self._next()
+        trainable, frozen, paths = self._split(params)
+        stand_ins = {name: jnp.zeros(v.shape, v.dtype) for name, v in trainable.items()}
+        y = rule.apply({**frozen, **stand_ins}, x, spec)
+        self.records.append(CallRecord(index, rule, spec, tuple(paths.items()), tuple(x.shape), tuple(y.shape),
+                                       y.dtype))
+        return y
+
+
+def _input_grad(rule, spec, params, x, g):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return None
+    _, pullback = jax.vjp(lambda x_: rule.apply(params, x_, spec), x)
+    return pullback(g)[0]
+
+
+class CaptureTape(_Tape):
+    """Book-keeping capture: ``y + probe`` for the listed calls; ``calls[index] = (x, layer params)``."""
+
+    def __init__(self, leaf_paths, probes: Mapping[int, jax.Array]):
+        super().__init__(leaf_paths)
+        self.probes = probes
+        self.calls: dict[int, tuple] = {}
+
+    def _capture(self, index, rule, spec, params, x):
+        trainable, frozen, _ = self._split(params)
+        held = {name: jax.lax.stop_gradient(v) for name, v in trainable.items()}
+        layer_params = {**frozen, **held}
+        y = rule.apply(layer_params, x, spec)
+        self.calls[index] = (x, layer_params)
+        return y + self.probes[index].astype(y.dtype)
+
+    def call(self, rule, spec, params, x):
+        index = self._next()
+        if index not in self.probes:
+            return rule.apply(params, x, spec)
+        return self._capture(index, rule, spec, params, x)
+
+
+def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
+    """``(y, port)``; backward: ``sink`` cotangent = per-parameter squared norms ``[B, P]``, parameter cotangents =
+    ``sum_i port_ct[i, j] * grad_i`` for parameter ``names[j]``."""
+
+    def forward(trainable, frozen, x, sink):
+        return rule.apply({**frozen, **trainable}, x, spec), jnp.zeros_like(sink)
+
+    def forward_with_residuals(trainable, frozen, x, sink):
+        return forward(trainable, frozen, x, sink), (trainable, frozen, x)
+
+    def backward(residuals, cotangents):
+        trainable, frozen, x = residuals
+        g, coef = cotangents
+        params = {**frozen, **trainable}
+        uses = rule.per_example_grads(params, x, g, spec)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j]).astype(trainable[n].dtype)
+                 for j, n in enumerate(names)}
+        return grads, None, _input_grad(rule, spec, params, x, g), sq
+
+    layer = jax.custom_vjp(forward)
+    layer.defvjp(forward_with_residuals, backward)
+    return layer(trainable, frozen, x, sink)
+
+
+class GhostTape(CaptureTape):
+    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str):
+        super().__init__(leaf_paths, probes)
+        self.sinks = sinks
+        self.method = method
+        self.ports: dict[int, jax.Array] = {}
+
+    def call(self, rule, spec, params, x):
+        index = self._next()
+        if index in self.probes:
+            return self._capture(index, rule, spec, params, x)
+        if index not in self.sinks:
+            return rule.apply(params, x, spec)
+        trainable, frozen, _ = self._split(params)
+        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, trainable, frozen, x, self.sinks[index])
+        self.ports[index] = port
+        return y
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalClip:
+    """Clipping of the groups that live inside one layer call (fused mode).
+
+    ``group_of[j]``: local group of parameter ``j``; ``thresholds[k]``: threshold of local group ``k``;
+    ``coefficients(norms [B, K], thresholds [K], keep [B]) -> [B, K]``.
+    """
+
+    group_of: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    coefficients: Callable
+
+
+def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, x, sink, keep):
+    def forward(trainable, frozen, x, sink, keep):
+        return rule.apply({**frozen, **trainable}, x, spec)
+
+    def forward_with_residuals(trainable, frozen, x, sink, keep):
+        return forward(trainable, frozen, x, sink, keep), (trainable, frozen, x, keep)
+
+    def backward(residuals, g):
+        trainable, frozen, x, keep = residuals
+        params = {**frozen, **trainable}
+        uses = rule.per_example_grads(params, x, g, spec)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
+        group_of = jnp.asarray(clip.group_of)
+        n_local = len(clip.thresholds)
+        group_sq = jnp.zeros((sq.shape[0], n_local), jnp.float32).at[:, group_of].add(sq)
+        coef = clip.coefficients(jnp.sqrt(group_sq), jnp.asarray(clip.thresholds, jnp.float32), keep)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]]).astype(trainable[n].dtype)
+                 for j, n in enumerate(names)}
+        return grads, None, _input_grad(rule, spec, params, x, g), sq, None
+
+    layer = jax.custom_vjp(forward)
+    layer.defvjp(forward_with_residuals, backward)
+    return layer(trainable, frozen, x, sink, keep)
+
+
+class FusedTape(_Tape):
+    def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method):
+        super().__init__(leaf_paths)
+        self.sinks, self.clips, self.keep, self.method = sinks, clips, keep, method
+
+    def call(self, rule, spec, params, x):
+        index = self._next()
+        if index not in self.sinks:
+            return rule.apply(params, x, spec)
+        trainable, frozen, _ = self._split(params)
+        return _fused_layer(rule, spec, tuple(trainable), self.method, self.clips[index], trainable, frozen, x,
+                            self.sinks[index], self.keep)

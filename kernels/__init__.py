@@ -1,0 +1,1 @@
+"""Pallas kernels for per-example norms (one folder per op: reference, per-backend implementations, api)."""
