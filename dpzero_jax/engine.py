@@ -431,3 +431,40 @@ def per_example_grad_norms(loss_fn: Callable, params, batch, *, norm_method: str
     plan = make_plan(loss_fn, cfg, params, batch, require_supported=mode != "vmap")
     mask = jnp.ones((plan.batch_size,), bool)
     return MODES[mode](loss_fn, cfg, plan, params, batch, mask).norms[:, 0]
+
+
+def autotune(loss_fn: Callable, cfg: DPConfig, params, batch, key, *, mask=None, candidates=None,
+             repeats: int = 3) -> DPConfig:
+    """Time the exact candidates once compiled on these inputs and return the fastest as a concrete config.
+
+    The alternative to ``choose_mode``'s cost model when a few extra compilations are affordable: candidates are
+    ``bk``, ``ghost``, ``fused`` (when the groups allow it), ``vmap`` with microbatch 1 and the whole batch, or the
+    given list of configs. Each is compiled, run once to warm up, then timed ``repeats`` times (median).
+    """
+    import time
+
+    if cfg.mode != "auto":
+        return cfg
+    batch_size = _batch_size(batch)
+    if candidates is None:
+        candidates = [cfg.replace(mode="bk"), cfg.replace(mode="ghost"), cfg.replace(mode="fused"),
+                      cfg.replace(mode="vmap", microbatch_size=1),
+                      cfg.replace(mode="vmap", microbatch_size=batch_size)]
+    best, best_time = None, math.inf
+    for candidate in candidates:
+        fn = jax.jit(private_value_and_grad(loss_fn, candidate))
+        try:
+            jax.block_until_ready(fn(params, batch, key, mask))
+        except (ValueError, UnsupportedParameterError):
+            continue  # e.g. fused with groups spanning layers
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(params, batch, key, mask))
+            times.append(time.perf_counter() - start)
+        elapsed = float(np.median(times))
+        if elapsed < best_time:
+            best, best_time = candidate, elapsed
+    if best is None:
+        raise ValueError("autotune: no candidate mode could run on this model and config")
+    return best
