@@ -10,6 +10,9 @@ Paper 000, eq. (1): for groups ``m = 1..M`` with thresholds ``R_m``, example ``i
 so one example changes the group-``m`` sum by at most ``R_m`` and the whole clipped sum by at most
 ``||(R_1..R_M)||`` -- the noise scale. An example whose mask is 0, whose loss is non-finite or any of whose group
 norms is non-finite gets ``C = 0`` in every group (and contributes exactly nothing; see ``pergrad.weighted_sum``).
+The one exception is the ``fused`` engine mode, where each layer clips its own groups without seeing the others:
+there an example with a finite loss but a non-finite norm in one group is dropped from that group only (the bound
+above still holds group by group).
 
 Groups are formed from parameter paths (``"blocks/0/mlp/fc/kernel"``); a *layer* is a parameter's parent path.
 """
@@ -110,7 +113,8 @@ def validate_groups(groups) -> None:
             raise ValueError(f"groups={groups!r}: expected one of {GROUP_PRESETS}, ('uniform', k), a mapping "
                              "{path: group} or a callable")
     elif isinstance(groups, tuple):
-        if not (len(groups) == 2 and groups[0] == "uniform" and isinstance(groups[1], int) and groups[1] >= 1):
+        if not (len(groups) == 2 and groups[0] == "uniform" and isinstance(groups[1], int)
+                and not isinstance(groups[1], bool) and groups[1] >= 1):
             raise ValueError(f"groups={groups!r}: the tuple form is ('uniform', k) with an integer k >= 1")
     elif not (isinstance(groups, Mapping) or isinstance(groups, Callable)):
         raise ValueError(f"groups={groups!r}: expected a preset name, ('uniform', k), a mapping or a callable")

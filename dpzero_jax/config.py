@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,9 +25,11 @@ class DPConfig:
         (``1{||g|| < R}``).
     groups: ``"all-layer"``, ``"layer-wise"``, ``"param-wise"``, ``("uniform", k)``, ``{path: group}`` or a callable.
     mode: ``"auto"`` (default), ``"bk"``, ``"ghost"``, ``"fused"`` or ``"vmap"``.
-    norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``), ``"ghost"`` or ``"instantiate"``.
+    norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``: the space rule of paper 000), ``"fastest"``
+        (ghost iff it takes fewer operations than instantiating and reusing the per-example gradient),
+        ``"ghost"`` or ``"instantiate"``.
     expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
-    microbatch_size: examples per chunk in ``vmap`` mode (``None``: the whole batch at once).
+    microbatch_size: examples per chunk in ``vmap`` and ``bk`` modes (``None``: the whole batch at once).
     gamma: the stability constant of automatic clipping.
     group_thresholds: explicit ``(R_1..R_M)`` instead of ``R / sqrt(M)``.
     """
@@ -44,7 +47,7 @@ class DPConfig:
 
     def __post_init__(self):
         def positive_number(name, value, allow_zero=False):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"DPConfig.{name} must be a finite number, got {value!r}")
             if value < 0 or (value == 0 and not allow_zero):
                 raise ValueError(f"DPConfig.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
@@ -62,13 +65,16 @@ class DPConfig:
         if self.expected_batch_size is not None:
             positive_number("expected_batch_size", self.expected_batch_size)
         if self.microbatch_size is not None and (isinstance(self.microbatch_size, bool) or
-                                                 not isinstance(self.microbatch_size, int) or
+                                                 not isinstance(self.microbatch_size, numbers.Integral) or
                                                  self.microbatch_size < 1):
             raise ValueError(f"DPConfig.microbatch_size must be a positive int or None, got {self.microbatch_size!r}")
         if self.group_thresholds is not None:
-            object.__setattr__(self, "group_thresholds", tuple(float(r) for r in self.group_thresholds))
-            if any(not math.isfinite(r) or r <= 0 for r in self.group_thresholds):
-                raise ValueError(f"DPConfig.group_thresholds must be positive, got {self.group_thresholds}")
+            values = self.group_thresholds
+            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
+                    isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+                    for r in values):
+                raise ValueError(f"DPConfig.group_thresholds must be a sequence of positive numbers, got {values!r}")
+            object.__setattr__(self, "group_thresholds", tuple(float(r) for r in values))
         if isinstance(self.groups, list):
             raise ValueError("DPConfig.groups: use a tuple ('uniform', k), not a list")
 

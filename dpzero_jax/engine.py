@@ -168,7 +168,8 @@ def _leaf_ids(params) -> dict[int, str]:
 
 def _group_sq(plan: Plan, sq_by_path: dict[str, Array]) -> Array:
     """``[B, M]`` squared group norms from ``{path: [B]}``."""
-    group_sq = jnp.zeros((plan.batch_size, len(plan.group_names)), jnp.float32)
+    size = next(iter(sq_by_path.values())).shape[0] if sq_by_path else plan.batch_size
+    group_sq = jnp.zeros((size, len(plan.group_names)), jnp.float32)
     for path, sq in sq_by_path.items():
         group_sq = group_sq.at[:, plan.group_of[path]].add(sq.astype(jnp.float32))
     return group_sq
@@ -212,9 +213,10 @@ def _keep(losses, mask):
 # ----------------------------------------------------------------------------------------------------------------
 # The modes.
 
-def _bk(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
-    leaf_ids = _leaf_ids(params)
-    probes = {r.index: jnp.zeros(r.output_shape, r.output_dtype) for r in plan.records}
+def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask):
+    """Book-keeping on one (micro)batch: ``(losses [b], {path: clipped sum}, norms [b, M], coef [b, M])``."""
+    size = _batch_size(batch)
+    probes = {r.index: jnp.zeros((size,) + r.output_shape[1:], r.output_dtype) for r in plan.records}
 
     def forward(probes):
         capture = tape_lib.CaptureTape(leaf_ids, probes)
@@ -225,11 +227,52 @@ def _bk(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     losses, pullback, calls = jax.vjp(forward, probes, has_aux=True)
     (output_grads,) = pullback(jnp.ones_like(losses))
     uses = _per_example_uses(plan, calls, output_grads, plan.uses)
-    sq = {path: pergrad.sq_norm(u, cfg.norm_method) for path, u in uses.items()}
+    # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
+    # reused for the clipped sum (no second contraction).
+    instantiated = {path: sum(pergrad.instantiate(v) for v in u) for path, u in uses.items()
+                    if not pergrad.use_ghost(u, cfg.norm_method)}
+    sq = {path: (jnp.sum(jnp.square(instantiated[path]).reshape(size, -1), axis=1) if path in instantiated
+                 else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
-    grads = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]]) for path, u in uses.items()}
-    return _Clipped(losses, _assemble(params, grads), norms, coef)
+    grads = {path: pergrad.weighted_sum([pergrad.Direct(instantiated[path])] if path in instantiated else u,
+                                        coef[:, plan.group_of[path]]) for path, u in uses.items()}
+    return losses, grads, norms, coef
+
+
+def _bk(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+    leaf_ids = _leaf_ids(params)
+    chunk = cfg.microbatch_size or plan.batch_size
+    if chunk >= plan.batch_size:
+        losses, grads, norms, coef = _bk_chunk(loss_fn, cfg, plan, params, leaf_ids, batch, mask)
+        return _Clipped(losses, _assemble(params, grads), norms, coef)
+    chunks, chunk_mask, unsplit = _microbatches(batch, mask, chunk)
+
+    def step(acc, inputs):
+        losses, grads, norms, coef = _bk_chunk(loss_fn, cfg, plan, params, leaf_ids, *inputs)
+        return {path: acc[path] + grads[path] for path in acc}, (losses, norms, coef)
+
+    init = {path: jnp.zeros(np.shape(leaf), jnp.float32)
+            for path, leaf in zip(plan.paths, jax.tree.leaves(params)) if path in plan.uses}
+    acc, (losses, norms, coef) = jax.lax.scan(step, init, (chunks, chunk_mask))
+    return _Clipped(unsplit(losses), _assemble(params, acc), unsplit(norms), unsplit(coef))
+
+
+def _microbatches(batch, mask, chunk: int):
+    """Split ``[B, ...]`` arrays into ``[n, chunk, ...]`` (padding with masked examples) and a function undoing it."""
+    batch_size = _batch_size(batch)
+    n_chunks = -(-batch_size // chunk)
+    padded = n_chunks * chunk - batch_size
+
+    def split(x):
+        if padded:
+            x = jnp.concatenate([x, jnp.zeros((padded,) + x.shape[1:], x.dtype)])
+        return x.reshape((n_chunks, chunk) + x.shape[1:])
+
+    def unsplit(x):
+        return x.reshape((n_chunks * chunk,) + x.shape[2:])[:batch_size]
+
+    return jax.tree.map(split, batch), split(mask), unsplit
 
 
 def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
@@ -252,7 +295,8 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     for index, per_param in sink_ct.items():
         for j, (_, path) in enumerate(by_index[index].param_paths):
             sq[path] = sq.get(path, 0.0) + per_param[:, j]
-    shared_paths = [p for p, us in plan.uses.items() if len(us) > 1]
+    # Every parameter of a captured call (not only the tied one: e.g. the bias of a tied head) is handled here.
+    shared_paths = [p for p, us in plan.uses.items() if any(index in shared for index, _ in us)]
     shared_uses = _per_example_uses(plan, calls, probe_ct, shared_paths)
     for path, u in shared_uses.items():
         sq[path] = pergrad.sq_norm(u, cfg.norm_method)
@@ -304,28 +348,23 @@ def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
             return loss_fn(params, batch)
 
     losses, pullback = jax.vjp(forward, params, sinks)
-    clipped, sink_ct = pullback(jnp.ones_like(losses))
+    # An example with a non-finite loss gets a zero cotangent: its output gradients are zero (or non-finite, and
+    # then its norms are), so it contributes nothing in any layer.
+    clipped, sink_ct = pullback(jnp.where(jnp.isfinite(losses), 1.0, 0.0).astype(losses.dtype))
     sq = {path: sink_ct[r.index][:, j] for r in plan.records for j, (_, path) in enumerate(r.param_paths)}
     norms = jnp.sqrt(_group_sq(plan, sq))
-    # The coefficients the layers applied, recomputed for the statistics (the layers saw the mask and their own
-    # norms; an example with a non-finite loss has non-finite output gradients, hence norms, in every layer).
-    coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
+    # The coefficients the layers applied. Each layer sees only its own groups, so an example whose norm is
+    # non-finite in one group only (finite loss) is dropped from that group alone -- each group's contribution is
+    # still bounded by its threshold. Such examples are counted in the statistics all the same.
+    keep = _keep(losses, mask)
+    coef = jnp.concatenate([clipping.coefficients(norms[:, m:m + 1], jnp.asarray(plan.thresholds[m:m + 1]), keep,
+                                                  cfg.clip_fn, cfg.gamma) for m in range(norms.shape[1])], axis=1)
     return _Clipped(losses, clipped, norms, coef)
 
 
 def _vmap(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
-    batch_size = plan.batch_size
-    chunk = min(cfg.microbatch_size or batch_size, batch_size)
-    n_chunks = -(-batch_size // chunk)
-    padded = n_chunks * chunk - batch_size
-
-    def pad_and_split(x):
-        if padded:
-            x = jnp.concatenate([x, jnp.zeros((padded,) + x.shape[1:], x.dtype)])
-        return x.reshape((n_chunks, chunk) + x.shape[1:])
-
-    chunks = jax.tree.map(pad_and_split, batch)
-    chunk_mask = pad_and_split(mask)
+    chunk = min(cfg.microbatch_size or plan.batch_size, plan.batch_size)
+    chunks, chunk_mask, unsplit = _microbatches(batch, mask, chunk)
     leaves, treedef = jax.tree.flatten(params)
     leaf_groups = [plan.group_of[p] for p in plan.paths]
     thresholds = jnp.asarray(plan.thresholds)
@@ -351,9 +390,8 @@ def _vmap(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
 
     init = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves]
     acc, (losses, norms, coef) = jax.lax.scan(step, init, (chunks, chunk_mask))
-    flat = lambda x: x.reshape((n_chunks * chunk,) + x.shape[2:])[:batch_size]  # noqa: E731
     clipped = jax.tree.unflatten(treedef, [a.astype(leaf.dtype) for a, leaf in zip(acc, leaves)])
-    return _Clipped(flat(losses), clipped, flat(norms), flat(coef))
+    return _Clipped(unsplit(losses), clipped, unsplit(norms), unsplit(coef))
 
 
 MODES: dict[str, Callable[..., _Clipped]] = {"bk": _bk, "ghost": _ghost, "fused": _fused, "vmap": _vmap}

@@ -27,7 +27,11 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-NORM_METHODS = ("mixed", "ghost", "instantiate")
+NORM_METHODS = ("mixed", "fastest", "ghost", "instantiate")
+
+# Multiply-add equivalents per gradient element of instantiating a per-example gradient and reusing it for the
+# clipped sum (write it, read it for the norm, read it for the sum); used by the "fastest" rule.
+INSTANTIATION_COST = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +102,14 @@ def instantiate(use: PerExampleGrad) -> Array:
 
 
 def use_ghost(uses: Sequence[PerExampleGrad], method: str) -> bool:
-    """The mixed ghost norm rule for one parameter, from static shapes: ghost iff ``2 T^2 < rows * cols``."""
+    """Ghost norm or instantiation for one parameter, from static shapes.
+
+    ``"mixed"``: the space rule of paper 000 (Appendix A), ghost iff ``2 T^2 < rows * cols``.
+    ``"fastest"``: a time rule for engines that reuse an instantiated gradient for the clipped sum (book-keeping):
+    ghost costs ``T^2 (rows + cols)`` multiply-adds per example, instantiation with reuse about
+    ``INSTANTIATION_COST`` multiply-add equivalents per gradient element (its extra memory passes); ghost iff cheaper.
+    Embeddings (one-hot left factor) are never instantiated by this rule: their Gram is an equality test.
+    """
     if any(isinstance(u, Direct) for u in uses):
         return False
     if method == "ghost":
@@ -107,6 +118,11 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str) -> bool:
         return False
     total_positions = sum(u.positions for u in uses)
     rows_times_cols = math.prod(uses[0].shape)
+    if method == "fastest":
+        if any(u.left_is_ids for u in uses):
+            return 2 * total_positions**2 < rows_times_cols
+        ghost_cost = total_positions**2 * (uses[0].rows + uses[0].cols)
+        return ghost_cost < INSTANTIATION_COST * rows_times_cols
     return 2 * total_positions**2 < rows_times_cols
 
 

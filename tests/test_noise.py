@@ -1,0 +1,121 @@
+"""The Gaussian mechanism: noise std ``sigma * ||(R_1..R_M)|| / expected_batch_size`` on every coordinate, drawn from
+the caller's key, reproducible, and independent across leaves."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from helpers import B, Setup, build, mlp_batch, private_fn
+
+import dpzero_jax as dz
+
+
+@functools.cache
+def wide_mlp() -> Setup:
+    """An MLP with two [64, 64] kernels (4096 coordinates each) for the statistics."""
+    model = build(dz.models.MLP, dz.models.MLPConfig(in_features=64, hidden=(64, 64), num_classes=4), 5)
+    params, loss_fn = dz.models.classification_objective(model, input_key="x")
+    return Setup("wide-mlp", params, loss_fn, mlp_batch(21, in_features=64, num_classes=4), ("layers/0", "layers/1",
+                                                                                            "head"))
+
+
+def noise_of(cfg, *, key=0, mask=None, subtract=False):
+    """``{path: noise}``: the private gradient with everything masked (zero clipped sum), or minus the noiseless
+    gradient of the same batch."""
+    setup = wide_mlp()
+    fn = private_fn(setup.loss_fn, cfg)
+    if mask is None and not subtract:
+        mask = jnp.zeros((B,), bool)
+    _, grads, stats = fn(setup.params, setup.batch, jax.random.key(key), mask)
+    noise = ref.flat(grads)
+    if subtract:
+        _, clean, _ = private_fn(setup.loss_fn, cfg.replace(noise_multiplier=0.0))(setup.params, setup.batch,
+                                                                                 jax.random.key(key), mask)
+        noise = {p: v - ref.flat(clean)[p] for p, v in noise.items()}
+    return noise, stats
+
+
+def check_gaussian(noise: dict[str, np.ndarray], std: float):
+    """Zero mean, the given std (pooled and per large leaf), and Gaussian-looking mass within one std."""
+    pooled = np.concatenate([v.ravel() for v in noise.values()])
+    n = pooled.size
+    assert abs(pooled.mean()) < 4 * std / np.sqrt(n)
+    # the sample std of n normal draws has relative standard error ~ 1/sqrt(2n)
+    assert abs(pooled.std() / std - 1) < 4 / np.sqrt(2 * n), (pooled.std(), std)
+    for path, v in noise.items():
+        if v.size >= 4096:
+            assert abs(v.std() / std - 1) < 4 / np.sqrt(2 * v.size), (path, v.std(), std)
+    within = np.mean(np.abs(pooled) < std)
+    assert abs(within - 0.6827) < 4 * np.sqrt(0.6827 * 0.3173 / n)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost", "fused", "vmap"])
+def test_noise_std_with_group_thresholds(mode):
+    thresholds = (0.5, 1.5, 2.0)
+    cfg = dz.DPConfig(noise_multiplier=2.0, groups="layer-wise", group_thresholds=thresholds, mode=mode,
+                      expected_batch_size=7.0)
+    noise, stats = noise_of(cfg)
+    assert int(stats.num_included) == 0
+    check_gaussian(noise, 2.0 * np.sqrt(np.sum(np.square(thresholds))) / 7.0)
+
+
+def test_noise_std_default_thresholds():
+    """M groups with R_m = R / sqrt(M): the noise std is sigma * R / B whatever M is."""
+    cfg = dz.DPConfig(noise_multiplier=0.7, max_grad_norm=3.0, groups="param-wise", mode="bk")
+    noise, _ = noise_of(cfg)
+    assert len(noise) == 6
+    check_gaussian(noise, 0.7 * 3.0 / B)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "vmap"])
+def test_noise_by_subtracting_the_noiseless_gradient(mode):
+    cfg = dz.DPConfig(noise_multiplier=1.5, max_grad_norm=0.8, clip_fn="automatic", groups="all-layer", mode=mode,
+                      microbatch_size=2)
+    noise, stats = noise_of(cfg, subtract=True)
+    assert int(stats.num_included) == B
+    check_gaussian(noise, 1.5 * 0.8 / B)
+
+
+def test_same_key_same_noise_different_keys_differ():
+    cfg = dz.DPConfig(noise_multiplier=1.0, groups="all-layer", mode="bk")
+    setup = wide_mlp()
+    fn = private_fn(setup.loss_fn, cfg)
+    first = ref.flat(fn(setup.params, setup.batch, jax.random.key(7))[1])
+    again = ref.flat(fn(setup.params, setup.batch, jax.random.key(7))[1])
+    other = ref.flat(fn(setup.params, setup.batch, jax.random.key(8))[1])
+    legacy = ref.flat(fn(setup.params, setup.batch, jax.random.PRNGKey(7))[1])   # raw uint32 keys work too
+    for path in first:
+        np.testing.assert_array_equal(first[path], again[path])
+        assert np.all(first[path] != other[path]), path
+        assert np.all(np.isfinite(legacy[path]))
+    a = first["layers/0/kernel"].ravel() - first["layers/0/kernel"].mean()
+    b = other["layers/0/kernel"].ravel() - other["layers/0/kernel"].mean()
+    assert abs(np.corrcoef(a, b)[0, 1]) < 4 / np.sqrt(a.size)
+
+
+def test_noise_independent_across_leaves():
+    cfg = dz.DPConfig(noise_multiplier=1.0, groups="all-layer", mode="vmap")
+    noise, _ = noise_of(cfg, key=11)
+    k0, k1 = noise["layers/0/kernel"].ravel(), noise["layers/1/kernel"].ravel()
+    assert abs(np.corrcoef(k0, k1)[0, 1]) < 4 / np.sqrt(k0.size)
+    # leaves of the same shape, and a leaf against a prefix of another, draw different numbers
+    assert np.all(noise["layers/0/bias"] != noise["layers/1/bias"])
+    assert np.all(noise["layers/0/bias"] != k0[:64]) and np.all(noise["layers/0/bias"] != k1[:64])
+    assert np.all(noise["head/bias"] != noise["head/kernel"].ravel()[:4])
+
+
+def test_noise_is_added_to_the_clipped_sum_once():
+    """With data, the gradient is (clipped sum + noise) / divisor: check mean/std against the exact clipped part."""
+    setup = wide_mlp()
+    norms = setup.group_norms("all-layer")
+    r = float(ref.split_threshold(norms))
+    cfg = dz.DPConfig(noise_multiplier=0.5, max_grad_norm=r, mode="bk", expected_batch_size=9.0)
+    _, grads, _ = private_fn(setup.loss_fn, cfg)(setup.params, setup.batch, jax.random.key(5))
+    expected, _, _ = setup.reference("all-layer", "abadi", max_grad_norm=r, divisor=9.0)
+    noise = {p: v - expected[p] for p, v in ref.flat(grads).items()}
+    check_gaussian(noise, 0.5 * r / 9.0)
