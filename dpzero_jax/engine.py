@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -486,8 +487,6 @@ def autotune(loss_fn: Callable, cfg: DPConfig, params, batch, key, *, mask=None,
     ``bk``, ``ghost``, ``fused`` (when the groups allow it), ``vmap`` with microbatch 1 and the whole batch, or the
     given list of configs. Each is compiled, run once to warm up, then timed ``repeats`` times (median).
     """
-    import time
-
     if cfg.mode != "auto":
         return cfg
     batch_size = _batch_size(batch)

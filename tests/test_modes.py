@@ -164,3 +164,19 @@ def test_parameter_paths_and_uniform_groups():
         assert plan.group_names[plan.group_of[path]] == f"uniform-{chunk[ref.parent(path)]}", path
     assert len(plan.group_names) == 4
     np.testing.assert_allclose(plan.thresholds, [0.5] * 4)
+
+
+def test_choose_mode_and_autotune_return_exact_concrete_modes():
+    """auto resolves to a concrete mode (bk, or ghost over a memory budget); autotune times the candidates and
+    returns one whose gradient matches the reference."""
+    import jax
+
+    setup = mlp()
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="auto")
+    plan = dz.make_plan(setup.loss_fn, cfg, setup.params, setup.batch)
+    assert dz.choose_mode(cfg, plan, backend="cpu").mode == "bk"
+    assert dz.choose_mode(cfg, plan, backend="gpu", memory_budget_bytes=1).mode == "ghost"
+    assert dz.choose_mode(cfg.replace(mode="fused"), plan).mode == "fused"
+    tuned = dz.autotune(setup.loss_fn, cfg, setup.params, setup.batch, jax.random.key(0), repeats=1)
+    assert tuned.mode in ("bk", "ghost", "vmap")      # fused cannot run all-layer groups and is skipped
+    check_private(setup, clip_fn="abadi", groups="all-layer", mode=tuned.mode, microbatch_size=tuned.microbatch_size)
