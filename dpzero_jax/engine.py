@@ -91,10 +91,6 @@ class Plan:
     def shared_calls(self) -> frozenset[int]:
         return frozenset(i for us in self.uses.values() if len(us) > 1 for i, _ in us)
 
-    @property
-    def unclaimed(self) -> tuple[str, ...]:
-        return tuple(p for p in self.paths if p not in self.uses)
-
 
 def _batch_size(batch) -> int:
     sizes = {leaf.shape[0] if getattr(leaf, "ndim", 0) >= 1 else None for leaf in jax.tree.leaves(batch)}

@@ -1,0 +1,57 @@
+"""The registry's per-rule ``sq_norm(a, g)`` and ``clipped_grad(a, g, c)`` on raw arrays, against per-example
+gradients written out from their definitions (``a_i^T g_i``, one-hot scatter, ``sum_t g * xhat``)."""
+
+import numpy as np
+import pytest
+
+from dpzero_jax import rules
+from dpzero_jax.rules.linear import LinearSpec
+from dpzero_jax.rules.norm import NormSpec
+
+RNG = np.random.default_rng(0)
+B, T, D, P, V = 3, 5, 4, 6, 7
+
+
+def check(rule, params, x, g, spec, per_example):
+    coef = RNG.uniform(0.1, 1.0, B).astype(np.float32)
+    for method in ("ghost", "instantiate", "mixed"):
+        sq = rules.sq_norms(rule, params, x, g, spec, method)
+        for name, expected in per_example.items():
+            np.testing.assert_allclose(sq[name], np.sum(expected.reshape(B, -1) ** 2, 1), rtol=1e-5)
+    clipped = rules.clipped_grads(rule, params, x, g, spec, {name: coef for name in per_example})
+    for name, expected in per_example.items():
+        np.testing.assert_allclose(clipped[name], np.tensordot(coef, expected, axes=1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_linear(transpose):
+    x = RNG.normal(size=(B, T, D)).astype(np.float32)
+    g = RNG.normal(size=(B, T, P)).astype(np.float32)
+    kernel = np.zeros((P, D) if transpose else (D, P), np.float32)
+    per_example = {"kernel": np.einsum("btp,btd->bpd", g, x) if transpose else np.einsum("btd,btp->bdp", x, g),
+                   "bias": g.sum(1)}
+    check(rules.RULES["linear"], {"kernel": kernel, "bias": np.zeros(P, np.float32)}, x, g,
+          LinearSpec(transpose=transpose), per_example)
+
+
+def test_embed():
+    ids = RNG.integers(0, V, size=(B, T)).astype(np.int32)
+    g = RNG.normal(size=(B, T, D)).astype(np.float32)
+    per_example = np.zeros((B, V, D), np.float32)
+    for i in range(B):
+        for t in range(T):
+            per_example[i, ids[i, t]] += g[i, t]
+    check(rules.RULES["embed"], {"table": np.zeros((V, D), np.float32)}, ids, g, None, {"table": per_example})
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm(rms):
+    x = RNG.normal(size=(B, T, D)).astype(np.float32)
+    g = RNG.normal(size=(B, T, D)).astype(np.float32)
+    centred = x if rms else x - x.mean(-1, keepdims=True)
+    xhat = centred / np.sqrt(np.mean(centred ** 2, -1, keepdims=True) + 1e-5)
+    params = {"scale": np.ones(D, np.float32), "bias": None if rms else np.zeros(D, np.float32)}
+    per_example = {"scale": np.sum(g * xhat, 1)}
+    if not rms:
+        per_example["bias"] = g.sum(1)
+    check(rules.RULES["norm"], params, x, g, NormSpec(eps=1e-5, rms=rms), per_example)
