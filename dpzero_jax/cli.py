@@ -2,6 +2,8 @@
 
 ``dpzero privacy --noise-multiplier S --sampling-rate Q --steps N --delta D`` prints epsilon;
 ``dpzero privacy --epsilon E --sampling-rate Q --steps N --delta D`` prints the noise multiplier that reaches it.
+``dpzero train [flags]`` runs DP training (defaults: MLP on scikit-learn digits at epsilon 3); ``--config FILE``
+(JSON or YAML, keys as in ``dpzero_jax.train.TrainConfig``) sets defaults that flags override.
 Bad values get a one-line error that names the flag.
 """
 
@@ -58,7 +60,73 @@ def build_parser() -> argparse.ArgumentParser:
     privacy.add_argument("--steps", type=_non_negative_int("--steps"), required=True, help="number of noisy steps")
     privacy.add_argument("--delta", type=_unit_interval("--delta", closed_right=False), default=1e-5)
     privacy.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    _add_train_parser(commands)
     return parser
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        value = _non_negative_int(flag)(text)
+        if value == 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {text!r}")
+        return value
+    return parse
+
+
+def _groups(text: str):
+    if text in ("all-layer", "layer-wise", "param-wise"):
+        return text
+    if text.startswith("uniform:"):
+        return ("uniform", _positive_int("--groups uniform:K")(text.split(":", 1)[1]))
+    raise argparse.ArgumentTypeError(
+        f"--groups must be all-layer, layer-wise, param-wise or uniform:K, got {text!r}")
+
+
+def _hidden(text: str):
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or any(w < 1 for w in widths):
+        raise argparse.ArgumentTypeError(f"--hidden must be comma-separated positive ints, got {text!r}")
+    return widths
+
+
+def _add_train_parser(commands) -> None:
+    from dpzero_jax.config import MODES
+
+    # every default is None (SUPPRESS): unset flags fall back to --config, then to TrainConfig's defaults
+    train = commands.add_parser("train", help="train a model with DP-SGD (default: MLP on digits, epsilon 3)",
+                                argument_default=argparse.SUPPRESS)
+    train.add_argument("--config", help="JSON or YAML file of TrainConfig options (flags override it)")
+    train.add_argument("--model", choices=("mlp", "vit"))
+    train.add_argument("--dataset", choices=("digits",))
+    train.add_argument("--hidden", type=_hidden, help="MLP hidden widths, e.g. 128 or 256,128")
+    length = train.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int("--steps"))
+    length.add_argument("--epochs", type=_positive_float("--epochs"), help="steps = ceil(epochs / q)")
+    train.add_argument("--batch-size", type=_positive_int("--batch-size"), help="expected (Poisson) batch size")
+    train.add_argument("--micro-batch-size", type=_positive_int("--micro-batch-size"),
+                       help="physical chunk size (gradient accumulation; noise once per logical batch)")
+    privacy = train.add_mutually_exclusive_group()
+    privacy.add_argument("--epsilon", type=_positive_float("--epsilon"), help="target epsilon (sigma calibrated)")
+    privacy.add_argument("--noise-multiplier", type=_positive_float("--noise-multiplier", allow_zero=True))
+    privacy.add_argument("--no-dp", action="store_true", help="non-private baseline (same sampling and steps)")
+    train.add_argument("--delta", type=_unit_interval("--delta", closed_right=False))
+    train.add_argument("--accountant", choices=("pld", "rdp"))
+    train.add_argument("--max-grad-norm", type=_positive_float("--max-grad-norm"))
+    train.add_argument("--clip-fn", choices=("abadi", "automatic", "global"))
+    train.add_argument("--groups", type=_groups, help="all-layer, layer-wise, param-wise or uniform:K")
+    train.add_argument("--mode", choices=MODES)
+    train.add_argument("--lr", type=_positive_float("--lr"))
+    train.add_argument("--optimizer", choices=("adam", "sgd", "adamw"))
+    train.add_argument("--weight-decay", type=_positive_float("--weight-decay", allow_zero=True))
+    train.add_argument("--seed", type=_non_negative_int("--seed"))
+    train.add_argument("--out", help="output directory (metrics.jsonl, training.png, checkpoints/)")
+    train.add_argument("--log-every", type=_positive_int("--log-every"))
+    train.add_argument("--checkpoint-every", type=_non_negative_int("--checkpoint-every"), help="0: never")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    train.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def _privacy(args) -> str:
@@ -75,12 +143,57 @@ def _privacy(args) -> str:
             f"{args.steps} steps, {args.accountant.upper()})")
 
 
+def _load_config_file(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config: no such file {path!r}")
+    text = file.read_text()
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as error:  # noqa: BLE001 -- any parse error becomes a one-line message
+        raise ValueError(f"--config: cannot parse {path!r}: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path!r} must hold a mapping of options")
+    return data
+
+
+def _train(args) -> str:
+    from dpzero_jax.train import TrainConfig, Trainer
+
+    options = vars(args).copy()
+    options.pop("command")
+    resume = options.pop("resume", False)
+    values = _load_config_file(options.pop("config")) if "config" in options else {}
+    values = {str(k).replace("-", "_"): v for k, v in values.items()}
+    if "epsilon" in options:  # an explicit target epsilon on the command line beats a file's noise multiplier
+        values["noise_multiplier"] = None
+    if "steps" in options:
+        values.pop("epochs", None)
+    if "epochs" in options:
+        values["steps"] = None
+    values.update(options)
+    result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
+    return result.summary() + f"\noutputs in {result.out}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "privacy":
             print(_privacy(args))
-    except ValueError as error:
+        elif args.command == "train":
+            print(_train(args))
+    except (ValueError, FileExistsError, RuntimeError) as error:
         print(f"dpzero {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,474 @@
+"""The DP training loop: ``Trainer(TrainConfig(...)).run()`` or ``train(config)``; ``dpzero train`` on the CLI.
+
+One step
+    ``key_t = fold_in(train_key, t)`` -> ``(sample_key, noise_key)``. The batch is Poisson sampled on the host
+    (:class:`~dpzero_jax.sampling.PoissonSampler`: static ``capacity`` slots + a mask), then ONE jitted function
+    computes the private gradient (:func:`dpzero_jax.private_value_and_grad`, noise once per logical batch,
+    ``micro_batch_size`` = gradient accumulation inside it) and applies the optax update. With ``no_dp`` the same
+    sampler and step count are used with the plain mean loss over the realised batch (no clipping, no noise).
+
+Determinism and resuming
+    Every random choice of step ``t`` is a pure function of ``(seed, t)``, so resuming from a checkpoint at step
+    ``t`` reproduces the uninterrupted run exactly. Checkpoints (orbax ``CheckpointManager``; writes go to a
+    temporary directory that is renamed when complete) hold params, optimizer state, the key data, the step and the
+    privacy ledger (JSON). On ``resume`` the newest checkpoint that restores cleanly is used; unreadable ones are
+    skipped with a warning.
+
+Outputs under ``out``: ``metrics.jsonl`` (one JSON object per logged step), ``training.png`` (loss and epsilon vs
+step), ``summary.json``, ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import numbers
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dpzero_jax import accounting, models
+from dpzero_jax.config import MODES, DPConfig
+from dpzero_jax.data import DATASETS, load_dataset
+from dpzero_jax.engine import private_value_and_grad
+from dpzero_jax.sampling import PoissonSampler, gather
+
+MODELS = ("mlp", "vit")
+OPTIMIZERS = ("adam", "sgd", "adamw")
+CLIP_FNS = ("abadi", "automatic", "global")
+
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a training run (frozen; ``replace`` gives a modified copy).
+
+    Length: ``steps`` if set, else ``ceil(epochs / q)`` with ``q = batch_size / N_train``.
+    Privacy: ``noise_multiplier`` if set (then ``epsilon`` is only reported, not targeted), else sigma is calibrated
+    so that the planned steps reach ``epsilon`` at ``delta``. ``no_dp`` trains without clipping or noise.
+    ``groups``: "all-layer", "layer-wise", "param-wise" or ("uniform", k).
+    """
+
+    model: str = "mlp"
+    dataset: str = "digits"
+    hidden: tuple[int, ...] = (128,)
+    steps: int | None = None
+    epochs: float = 30.0
+    batch_size: int = 256
+    micro_batch_size: int | None = None
+    epsilon: float = 3.0
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    accountant: str = "pld"
+    max_grad_norm: float = 1.0
+    clip_fn: str = "abadi"
+    groups: Any = "all-layer"
+    mode: str = "auto"
+    lr: float = 1e-2
+    optimizer: str = "adam"
+    weight_decay: float = 1e-4
+    seed: int = 0
+    out: str = "runs/dpzero"
+    log_every: int = 10
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    no_dp: bool = False
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self):
+        def fail(name, expected, value):
+            raise ValueError(f"TrainConfig.{name} must be {expected}, got {value!r}")
+
+        def is_int(v):
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+        if self.model not in MODELS:
+            fail("model", f"one of {MODELS}", self.model)
+        if self.dataset not in DATASETS:
+            fail("dataset", f"one of {DATASETS}", self.dataset)
+        if self.optimizer not in OPTIMIZERS:
+            fail("optimizer", f"one of {OPTIMIZERS}", self.optimizer)
+        if self.clip_fn not in CLIP_FNS:
+            fail("clip_fn", f"one of {CLIP_FNS}", self.clip_fn)
+        if self.mode not in MODES:
+            fail("mode", f"one of {MODES}", self.mode)
+        if self.accountant not in accounting.ACCOUNTANTS:
+            fail("accountant", f"one of {accounting.ACCOUNTANTS}", self.accountant)
+        hidden = tuple(self.hidden) if isinstance(self.hidden, (list, tuple)) else self.hidden
+        if not isinstance(hidden, tuple) or not all(is_int(h) and h > 0 for h in hidden):
+            fail("hidden", "a tuple of positive ints", self.hidden)
+        object.__setattr__(self, "hidden", hidden)
+        if isinstance(self.groups, list):
+            object.__setattr__(self, "groups", tuple(self.groups))
+        for name in ("batch_size", "log_every", "keep_checkpoints"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(name, "an integer >= 1", getattr(self, name))
+        for name in ("checkpoint_every", "seed"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                fail(name, "an integer >= 0", getattr(self, name))
+        if self.steps is not None and (not is_int(self.steps) or self.steps < 1):
+            fail("steps", "an integer >= 1 or None", self.steps)
+        if self.micro_batch_size is not None and (not is_int(self.micro_batch_size) or self.micro_batch_size < 1):
+            fail("micro_batch_size", "an integer >= 1 or None", self.micro_batch_size)
+        for name in ("epochs", "epsilon", "max_grad_norm", "lr"):
+            if not is_num(getattr(self, name)) or getattr(self, name) <= 0:
+                fail(name, "a finite number > 0", getattr(self, name))
+        if not is_num(self.weight_decay) or self.weight_decay < 0:
+            fail("weight_decay", "a finite number >= 0", self.weight_decay)
+        if not is_num(self.delta) or not 0 < self.delta < 1:
+            fail("delta", "in (0, 1)", self.delta)
+        if self.noise_multiplier is not None and (not is_num(self.noise_multiplier) or self.noise_multiplier < 0):
+            fail("noise_multiplier", "a finite number >= 0 or None", self.noise_multiplier)
+        # the DP-specific fields are checked by DPConfig itself (groups, mode, ...)
+        DPConfig(max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn, groups=self.groups, mode=self.mode,
+                 microbatch_size=self.micro_batch_size)
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from a mapping; keys may use dashes (``max-grad-norm``); unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        clean = {}
+        for key, value in data.items():
+            name = str(key).replace("-", "_")
+            if name not in names:
+                raise ValueError(f"unknown training option {key!r}")
+            clean[name] = value
+        return cls(**clean)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    test_accuracy: float
+    train_accuracy: float
+    test_loss: float
+    epsilon: float | None          # None for no_dp (no guarantee)
+    delta: float
+    steps: int
+    noise_multiplier: float | None
+    sampling_rate: float
+    runtime_s: float
+    out: str
+    params: Any = dataclasses.field(repr=False, default=None)
+    history: list = dataclasses.field(repr=False, default_factory=list)
+
+    def summary(self) -> str:
+        privacy = ("no privacy guarantee (--no-dp)" if self.epsilon is None else
+                   f"epsilon {self.epsilon:.3f} at delta {self.delta:g} (sigma {self.noise_multiplier:.4f})")
+        return (f"test accuracy {100 * self.test_accuracy:.2f}%  train accuracy {100 * self.train_accuracy:.2f}%  "
+                f"{privacy}  steps {self.steps}  q {self.sampling_rate:.4f}  time {self.runtime_s:.1f}s")
+
+
+def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs) -> nnx.Module:
+    image_shape = train_data["image"].shape[1:]
+    num_classes = int(train_data["label"].max()) + 1
+    if cfg.model == "mlp":
+        return models.MLP(models.MLPConfig(in_features=int(np.prod(image_shape)), hidden=cfg.hidden,
+                                           num_classes=num_classes), rngs=rngs)
+    size, _, channels = image_shape
+    return models.ViT(models.ViTConfig(image_size=size, patch_size=2, num_channels=channels, hidden_size=64,
+                                       num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                       num_classes=num_classes), rngs=rngs)
+
+
+def _make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    if cfg.optimizer == "adam":
+        return optax.adam(cfg.lr)
+    if cfg.optimizer == "adamw":
+        return optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
+    return optax.sgd(cfg.lr, momentum=0.9)
+
+
+class Trainer:
+    """Builds data, model, optimizer, sampler and the compiled step from a :class:`TrainConfig`.
+
+    ``run(resume=False, stop_at=None)`` trains (from the latest good checkpoint if ``resume``) up to
+    ``config.steps`` (or only up to ``stop_at``, for interrupted runs) and returns a :class:`TrainResult`.
+    """
+
+    def __init__(self, config: TrainConfig):
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        self.out = Path(cfg.out)
+        self.train_data, self.test_data = load_dataset(cfg.dataset, seed=0)
+        n = self.train_data["label"].shape[0]
+        if cfg.batch_size > n:
+            raise ValueError(f"batch_size={cfg.batch_size} exceeds the training set size {n}")
+        self.dataset_size = n
+        self.sampling_rate = cfg.batch_size / n
+        self.steps = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs / self.sampling_rate))
+        self.sampler = PoissonSampler(n, self.sampling_rate)
+
+        if cfg.no_dp:
+            self.noise_multiplier = None
+        elif cfg.noise_multiplier is not None:
+            self.noise_multiplier = float(cfg.noise_multiplier)
+        else:
+            absl_logger = logging.getLogger("absl")  # the RDP bracket of calibrate_noise warns about low orders
+            level = absl_logger.level
+            absl_logger.setLevel(logging.ERROR)
+            try:
+                self.noise_multiplier = accounting.calibrate_noise(cfg.epsilon, self.sampling_rate, self.steps,
+                                                                   cfg.delta, accountant=cfg.accountant)
+            finally:
+                absl_logger.setLevel(level)
+
+        root = jax.random.key(cfg.seed)
+        model = _make_model(cfg, self.train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)))
+        self.init_params, loss_fn = models.classification_objective(model)
+        _, apply_fn = models.logits_fn(model)
+        self.init_key = jax.random.fold_in(root, 1)
+        self.tx = _make_optimizer(cfg)
+        self._build_step(loss_fn, apply_fn)
+
+    # ---------------------------------------------------------------- compiled functions
+    def _build_step(self, loss_fn, apply_fn):
+        cfg, tx = self.config, self.tx
+        if cfg.no_dp:
+            def gradient(params, batch, key, mask):
+                def mean_loss(p):
+                    losses = loss_fn(p, batch)
+                    w = mask.astype(losses.dtype)
+                    return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1.0), losses
+                (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+                return losses, grads
+        else:
+            dp_cfg = DPConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=cfg.max_grad_norm,
+                              clip_fn=cfg.clip_fn, groups=cfg.groups, mode=cfg.mode,
+                              expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size)
+            private = private_value_and_grad(loss_fn, dp_cfg)
+
+            def gradient(params, batch, key, mask):
+                losses, grads, _ = private(params, batch, key, mask)
+                return losses, grads
+
+        def step(params, opt_state, batch, noise_key, mask):
+            losses, grads = gradient(params, batch, noise_key, mask)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            w = mask.astype(jnp.float32)
+            count = jnp.maximum(jnp.sum(w), 1.0)
+            loss = jnp.sum(jnp.where(mask, losses, 0.0)) / count
+            correct = jnp.argmax(apply_fn(params, batch["image"]), -1) == batch["label"]  # after the update
+            return params, opt_state, loss, jnp.sum(correct * w) / count
+
+        def evaluate(params, images, labels):
+            logits = apply_fn(params, images).astype(jnp.float32)
+            loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+            return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+        self._step = jax.jit(step, donate_argnums=(0, 1))
+        self._evaluate = jax.jit(evaluate)
+
+    def step_keys(self, step: int):
+        """``(sample_key, noise_key)`` of step ``step``: a pure function of (seed, step)."""
+        sample_key, noise_key = jax.random.split(jax.random.fold_in(self.init_key, step))
+        return sample_key, noise_key
+
+    # ---------------------------------------------------------------- checkpoints
+    def _manager(self, read_only: bool = False):
+        import orbax.checkpoint as ocp
+
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.config.keep_checkpoints, create=not read_only,
+                                               read_only=read_only, enable_async_checkpointing=False)
+        return ocp.CheckpointManager((self.out / "checkpoints").absolute(), options=options)
+
+    def _save(self, manager, step, params, opt_state, ledger):
+        import orbax.checkpoint as ocp
+
+        leaves = [np.asarray(x) for x in jax.tree.leaves((params, opt_state))]
+        state = {"leaves": leaves, "key": np.asarray(jax.random.key_data(self.init_key)),
+                 "step": np.asarray(step, np.int64)}
+        meta = {"step": step, "ledger": ledger.to_dict(), "config": _jsonable(self.config.to_dict())}
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                     force=True)
+        manager.wait_until_finished()
+
+    def _restore(self, params, opt_state):
+        """Newest checkpoint that restores cleanly -> (step, params, opt_state, ledger); None if there is none."""
+        import orbax.checkpoint as ocp
+
+        directory = self.out / "checkpoints"
+        if not directory.exists():
+            return None
+        manager = self._manager()
+        treedef = jax.tree.structure((params, opt_state))
+        template = jax.tree.leaves((params, opt_state))
+        abstract = {"leaves": [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in template],
+                    "key": jax.ShapeDtypeStruct((2,), np.uint32), "step": jax.ShapeDtypeStruct((), np.int64)}
+        errors, skipped = [], []
+        try:
+            for step in sorted(manager.all_steps(), reverse=True):
+                try:
+                    restored = manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+                    state, meta = restored["state"], restored["meta"]
+                    if int(state["step"]) != step or meta["step"] != step:
+                        raise ValueError(f"step mismatch in checkpoint {step}")
+                    if not np.array_equal(np.asarray(state["key"]), np.asarray(jax.random.key_data(self.init_key))):
+                        raise ValueError("checkpoint was written with a different seed")
+                    ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
+                except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
+                    errors.append(f"step {step}: {type(error).__name__}: {error}")
+                    skipped.append(step)
+                    warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
+                                  stacklevel=3)
+                    continue
+                params, opt_state = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in state["leaves"]])
+                found = step, params, opt_state, ledger
+                break
+            else:
+                found = None
+        finally:
+            manager.close()
+        # move unreadable checkpoints newer than the one used out of the way (kept for inspection, not reused)
+        for bad in skipped:
+            path = directory / str(bad)
+            if path.exists():
+                path.rename(directory / f"{bad}.unreadable-{int(time.time())}")
+        if found is not None:
+            return found
+        if errors:
+            raise RuntimeError(f"no checkpoint in {directory} could be restored: " + "; ".join(errors))
+        return None
+
+    # ---------------------------------------------------------------- the loop
+    def run(self, resume: bool = False, stop_at: int | None = None) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        start_time = time.perf_counter()
+        self.out.mkdir(parents=True, exist_ok=True)
+        params = self.init_params
+        opt_state = self.tx.init(params)
+        ledger = accounting.PrivacyLedger()
+        start = 0
+        if resume:
+            restored = self._restore(params, opt_state)
+            if restored is not None:
+                start, params, opt_state, ledger = restored
+        elif (self.out / "checkpoints").exists() and any((self.out / "checkpoints").iterdir()):
+            raise FileExistsError(f"{self.out / 'checkpoints'} already holds checkpoints; use resume=True "
+                                  f"(--resume) or another output directory (--out)")
+        # private arrays: the step donates its inputs
+        params = jax.tree.map(jnp.array, params)
+        opt_state = jax.tree.map(jnp.array, opt_state)
+        end = self.steps if stop_at is None else min(self.steps, stop_at)
+
+        metrics_path = self.out / "metrics.jsonl"
+        history = _read_metrics(metrics_path, upto=start) if resume else []
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in history)
+        manager = self._manager() if cfg.checkpoint_every else None
+        bar = tqdm(total=self.steps, initial=start, disable=not cfg.progress, desc="dp" if not cfg.no_dp else "non-dp",
+                   dynamic_ncols=True)
+        loss = acc = jnp.zeros(())
+        try:
+            with open(metrics_path, "a") as metrics_file:
+                for step in range(start, end):
+                    sample_key, noise_key = self.step_keys(step)
+                    batch_info = self.sampler.sample(sample_key)
+                    if batch_info.overflowed:  # P ~ 1e-9 per step; truncation is not exact Poisson sampling
+                        warnings.warn(f"step {step}: Poisson batch of {batch_info.num_selected} truncated to "
+                                      f"capacity {self.sampler.capacity}; the accounting of this step is "
+                                      f"approximate", RuntimeWarning, stacklevel=2)
+                    batch = gather(self.train_data, batch_info.indices)
+                    params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, batch_info.mask)
+                    if not cfg.no_dp:
+                        ledger.record(self.noise_multiplier, self.sampling_rate)
+                    done = step + 1
+                    bar.update(1)
+                    if done % cfg.log_every == 0 or done == end:
+                        eps = None if cfg.no_dp else ledger.epsilon(cfg.delta, cfg.accountant)
+                        row = {"step": done, "loss": float(loss), "accuracy": float(acc), "epsilon": eps,
+                               "batch_size": int(batch_info.realised_size)}
+                        history.append(row)
+                        metrics_file.write(json.dumps(row) + "\n")
+                        metrics_file.flush()
+                        bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
+                                        eps="n/a" if eps is None else f"{eps:.2f}")
+                    if manager is not None and (done % cfg.checkpoint_every == 0 or done == end):
+                        self._save(manager, done, params, opt_state, ledger)
+        finally:
+            bar.close()
+            if manager is not None:
+                manager.close()
+
+        test_loss, test_acc = self._evaluate(params, self.test_data["image"], self.test_data["label"])
+        _, train_acc = self._evaluate(params, self.train_data["image"], self.train_data["label"])
+        final_eps = None if cfg.no_dp else ledger.epsilon(cfg.delta, cfg.accountant)
+        result = TrainResult(test_accuracy=float(test_acc), train_accuracy=float(train_acc),
+                             test_loss=float(test_loss), epsilon=final_eps, delta=cfg.delta, steps=ledger.steps
+                             if not cfg.no_dp else end, noise_multiplier=self.noise_multiplier,
+                             sampling_rate=self.sampling_rate, runtime_s=time.perf_counter() - start_time,
+                             out=str(self.out), params=params, history=history)
+        summary = {k: v for k, v in dataclasses.asdict(result).items() if k not in ("params", "history")}
+        (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
+        if cfg.plot and history:
+            _plot(history, self.out / "training.png")
+        return result
+
+
+def train(config: TrainConfig | None = None, resume: bool = False, **overrides) -> TrainResult:
+    """``train(TrainConfig(...))`` or ``train(steps=100, epsilon=1)``: build a :class:`Trainer` and run it."""
+    config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
+    return Trainer(config).run(resume=resume)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def _read_metrics(path: Path, upto: int) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] <= upto]
+
+
+def _plot(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, (ax_loss, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(steps, [r["loss"] for r in history])
+    ax_loss.set(xlabel="step", ylabel="train loss (batch)", title="loss")
+    eps = [r["epsilon"] for r in history]
+    if all(e is not None for e in eps):
+        ax_eps.plot(steps, eps)
+        ax_eps.set(xlabel="step", ylabel="epsilon", title="privacy spent")
+    else:
+        ax_eps.text(0.5, 0.5, "no DP", ha="center", va="center")
+        ax_eps.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
