@@ -24,6 +24,15 @@ def _bit_generator_state(key: jax.Array) -> jax.Array:
     return jnp.concatenate(words).astype(jnp.uint32)[:4]
 
 
+def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform ``uint32`` bits of the given shape from XLA's ``RngBitGenerator`` (Threefry-2x32), a deterministic
+    function of ``key``; the source of :func:`standard_normal` (and of the random signs of
+    :mod:`dpzero_jax.sketch`)."""
+    _, bits = jax.lax.rng_bit_generator(_bit_generator_state(key), shape, jnp.uint32,
+                                        algorithm=jax.lax.RandomAlgorithm.RNG_THREE_FRY)
+    return bits
+
+
 def standard_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``N(0, 1)`` float32 samples, a deterministic function of ``key``.
 
@@ -33,8 +42,7 @@ def standard_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     about 3x faster than ``jax.random.normal`` and needs no temporary buffer, which matters because the noise has
     as many coordinates as the model has parameters.
     """
-    _, bits = jax.lax.rng_bit_generator(_bit_generator_state(key), shape, jnp.uint32,
-                                        algorithm=jax.lax.RandomAlgorithm.RNG_THREE_FRY)
+    bits = random_bits(key, shape)
     unit = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0   # [0, 1)
     lowest = jnp.nextafter(jnp.float32(-1.0), jnp.float32(0.0))
     return jnp.float32(2.0**0.5) * jax.lax.erf_inv(jnp.maximum(lowest, 2.0 * unit - 1.0))

@@ -1,0 +1,184 @@
+"""Random sketches for randomized matrix multiplication (paper 002): ``S^T x`` without storing ``S``.
+
+A sketch is a random matrix ``S [n, k]`` with ``E[S S^T] = I_n``, so that ``x^T S S^T y`` is an unbiased estimate
+of ``x^T y`` for any ``x [n, F]``, ``y [n, P]`` independent of ``S``. ``S`` is never stored: :func:`project`
+recomputes ``S^T x`` from a PRNG key, and projecting ``x`` in the forward pass and ``y`` in the backward pass with
+the same key uses the same ``S``.
+
+Sketches (``k`` = the projected size ``B_proj``):
+
+* ``"gaussian"``   i.i.d. ``N(0, 1/k)`` entries (paper 002, eq. 5);
+* ``"rademacher"`` i.i.d. ``+-1/sqrt(k)`` entries;
+* ``"dct"``        subsampled orthogonal transform with random signs: ``S^T x = sqrt(n/k) P H D x`` with ``D`` a
+                   diagonal of random signs, ``H`` the orthonormal DCT-II over the ``n`` axis and ``P`` ``k`` of its
+                   ``n`` output rows drawn uniformly without replacement;
+* ``"dft"``        the same with ``H`` the discrete Hartley transform ``(Re F - Im F) / sqrt(n)`` (``F`` the DFT
+                   matrix): the real orthogonal transform computed by an FFT.
+
+For the orthogonal sketches ``E[P^T P] = (k/n) I`` gives ``E[S S^T] = D H^T H D = I``, and ``k = n`` gives
+``S S^T = I`` exactly (the estimate is then exact). Gaussian and Rademacher sketches are drawn in column blocks of
+at most ``SKETCH_BLOCK`` entries (block ``c`` from ``fold_in(key, c)``), so a large ``n`` never materialises all
+of ``S`` at once; the block width depends only on ``(n, k)``, so ``S`` is the same for every ``x`` it multiplies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from dpzero_jax import noise
+
+Array = jax.Array
+
+SKETCHES = ("gaussian", "rademacher", "dct", "dft")
+ORTHOGONAL_SKETCHES = ("dct", "dft")
+PROJECTIONS = ("rows", "tokens")
+SKETCH_BLOCK = 1 << 18   # entries of S drawn at once (part of the definition of S for a given key)
+
+
+@dataclasses.dataclass(frozen=True)
+class RMMConfig:
+    """How an RMM layer compresses the input it keeps for the backward pass.
+
+    sketch: one of :data:`SKETCHES`.
+    rate: the compression rate ``rho`` in ``(0, 1]``: ``B_proj = round(rho * n)``; or
+    size: a fixed ``B_proj`` (exactly one of ``rate`` and ``size``).
+    min_size, max_size: ``B_proj`` is clamped to ``[min_size, max_size]`` and then to ``[1, n]``.
+    projection: what ``n`` is. ``"rows"``: the flattened batch x positions rows of the layer input (paper 002;
+        mixes examples, so not usable under DP clipping). ``"tokens"``: the positions of each example, with one
+        ``S [T, k]`` shared by the batch (examples never mix; the DP variant).
+    """
+
+    sketch: str = "gaussian"
+    rate: float | None = None
+    size: int | None = None
+    min_size: int = 1
+    max_size: int | None = None
+    projection: str = "tokens"
+
+    def __post_init__(self):
+        if self.sketch not in SKETCHES:
+            raise ValueError(f"RMMConfig.sketch={self.sketch!r}: unknown sketch; expected one of {SKETCHES}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"RMMConfig.projection={self.projection!r}: expected one of {PROJECTIONS}")
+        if (self.rate is None) == (self.size is None):
+            raise ValueError("RMMConfig needs exactly one of rate (the compression rate rho in (0, 1]) and size "
+                             f"(a fixed B_proj); got rate={self.rate!r}, size={self.size!r}")
+        if self.rate is not None:
+            if (isinstance(self.rate, bool) or not isinstance(self.rate, numbers.Real) or not math.isfinite(self.rate)
+                    or not 0 < self.rate <= 1):
+                raise ValueError(f"RMMConfig.rate must be a compression rate in (0, 1], got {self.rate!r}")
+        for name in ("size", "min_size", "max_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"RMMConfig.{name} must be a positive int, got {value!r}")
+        if self.max_size is not None and self.max_size < self.min_size:
+            raise ValueError(f"RMMConfig: max_size={self.max_size} is below min_size={self.min_size}")
+
+    def projected_size(self, n: int) -> int:
+        """``B_proj`` for ``n`` rows (or positions): from ``rate`` or ``size``, clamped to ``[min_size, max_size]``
+        and to ``[1, n]``."""
+        base = self.size if self.size is not None else math.floor(self.rate * n + 0.5)
+        base = max(base, self.min_size)
+        if self.max_size is not None:
+            base = min(base, self.max_size)
+        return max(1, min(base, n))
+
+    def replace(self, **changes) -> RMMConfig:
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_static(RMMConfig)
+
+
+def as_key(key) -> Array:
+    """A typed PRNG key from a typed key or a raw ``uint32[2]`` key."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key.astype(jnp.uint32))
+
+
+def _check(x: Array, k: int, sketch: str) -> int:
+    if sketch not in SKETCHES:
+        raise ValueError(f"unknown sketch {sketch!r}; expected one of {SKETCHES}")
+    if x.ndim < 2:
+        raise ValueError(f"project: x must be [..., n, F] (at least 2-D), got shape {x.shape}")
+    n = x.shape[-2]
+    if not 1 <= k <= n:
+        raise ValueError(f"project: projected size k={k} must be in [1, n={n}]")
+    return n
+
+
+def _iid_entries(key: Array, shape: tuple[int, int], sketch: str) -> Array:
+    """Unit-variance i.i.d. entries ``[n, kb]``: standard normal or random signs."""
+    if sketch == "gaussian":
+        return noise.standard_normal(key, shape)
+    return jnp.where(noise.random_bits(key, shape) >> 31 == 1, 1.0, -1.0).astype(jnp.float32)
+
+
+def block_width(n: int, k: int) -> int:
+    """Columns of ``S`` drawn per block for the i.i.d. sketches."""
+    return max(1, min(k, SKETCH_BLOCK // n))
+
+
+def _project_iid(key: Array, x32: Array, k: int, sketch: str) -> Array:
+    n = x32.shape[-2]
+    width = block_width(n, k)
+    n_blocks = -(-k // width)
+
+    def block(c):
+        s = _iid_entries(jax.random.fold_in(key, c), (n, width), sketch)
+        return jnp.einsum("nk,...nf->...kf", s, x32, preferred_element_type=jnp.float32)
+
+    if n_blocks == 1:
+        out = block(0)
+    else:
+        blocks = jax.lax.map(block, jnp.arange(n_blocks))                     # [blocks, ..., width, F]
+        out = jnp.moveaxis(blocks, 0, -3)
+        out = out.reshape(out.shape[:-3] + (n_blocks * width, out.shape[-1]))
+    return out[..., :k, :] / jnp.sqrt(jnp.float32(k))
+
+
+def orthogonal_transform(x32: Array, sketch: str) -> Array:
+    """``H x`` along axis -2 with ``H`` the orthonormal DCT-II (``"dct"``) or Hartley (``"dft"``) matrix."""
+    if sketch == "dct":
+        return jax.scipy.fft.dct(x32, type=2, norm="ortho", axis=-2)
+    spectrum = jnp.fft.fft(x32, axis=-2)
+    return (spectrum.real - spectrum.imag) / jnp.sqrt(jnp.float32(x32.shape[-2]))
+
+
+def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str) -> Array:
+    n = x32.shape[-2]
+    sign_key, select_key = jax.random.split(key)
+    signs = jnp.where(noise.random_bits(sign_key, (n,)) >> 31 == 1, 1.0, -1.0).astype(jnp.float32)
+    rows = jax.random.permutation(select_key, n)[:k]
+    transformed = orthogonal_transform(x32 * signs[:, None], sketch)
+    return jnp.take(transformed, rows, axis=-2) * jnp.sqrt(jnp.float32(n / k))
+
+
+def project(key, x: Array, k: int, sketch: str) -> Array:
+    """``S^T x`` along axis -2: ``x [..., n, F] -> [..., k, F]`` with ``S [n, k]`` the sketch drawn from ``key``.
+
+    Computed in float32, returned in ``x.dtype``. The leading axes share one ``S`` (the DP layout ``[B, T, F]``
+    projects every example's positions with the same ``S``).
+    """
+    _check(x, k, sketch)
+    key = as_key(key)
+    x32 = x.astype(jnp.float32)
+    if sketch in ORTHOGONAL_SKETCHES:
+        out = _project_orthogonal(key, x32, k, sketch)
+    else:
+        out = _project_iid(key, x32, k, sketch)
+    return out.astype(x.dtype)
+
+
+def sketch_matrix(key, n: int, k: int, sketch: str) -> Array:
+    """The sketch ``S [n, k]`` that :func:`project` applies for ``key`` (explicitly; for tests and diagnostics)."""
+    return project(key, jnp.eye(n, dtype=jnp.float32), k, sketch).T
