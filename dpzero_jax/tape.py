@@ -13,6 +13,9 @@ the layer *is* (by identity) a leaf of the ``params`` being differentiated.
   use outside the supported layers.
 * :class:`CaptureTape` (book-keeping): adds a zero probe to each layer output, whose cotangent is the output
   gradient ``g``, and keeps the layer input ``x`` as auxiliary output. Parameters are not differentiated.
+
+Every tape keeps of a layer input what its rule asks for (``rules.stored_input``: ``x`` itself, or less, such as
+the random projection ``S^T x`` of an RMM layer) and forms the input cotangent with ``rules.input_grad``.
 * :class:`GhostTape`: a ``custom_vjp`` per layer whose backward writes the per-parameter squared norms into the
   cotangent of a ``[B, P]`` *sink* input and, through the cotangent of a ``[B, P]`` *port* output, receives the
   clip coefficients with which it forms the clipped weight gradient. Calls whose parameters are shared with
@@ -32,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dpzero_jax import pergrad
+from dpzero_jax import pergrad, rules
 
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("dpzero_active_tape", default=None)
 
@@ -106,19 +109,15 @@ class DiscoveryTape(_Tape):
         return y
 
 
-def _input_grad(rule, spec, params, x, g):
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return None
-    _, pullback = jax.vjp(lambda x_: rule.apply(params, x_, spec), x)
-    return pullback(g)[0]
-
-
 class CaptureTape(_Tape):
-    """Book-keeping capture: ``y + probe`` for the listed calls; ``calls[index] = (x, layer params)``."""
+    """Book-keeping capture: ``y + probe`` for the listed calls; ``calls[index] = (saved, layer params)`` with
+    ``saved = rules.stored_input(...)`` -- the layer input ``x`` itself unless the rule keeps less (RMM), or always
+    ``x`` with ``keep_inputs`` (for diagnostics that need the exact input)."""
 
-    def __init__(self, leaf_paths, probes: Mapping[int, jax.Array]):
+    def __init__(self, leaf_paths, probes: Mapping[int, jax.Array], keep_inputs: bool = False):
         super().__init__(leaf_paths)
         self.probes = probes
+        self.keep_inputs = keep_inputs
         self.calls: dict[int, tuple] = {}
 
     def _capture(self, index, rule, spec, params, x):
@@ -126,7 +125,8 @@ class CaptureTape(_Tape):
         held = {name: jax.lax.stop_gradient(v) for name, v in trainable.items()}
         layer_params = {**frozen, **held}
         y = rule.apply(layer_params, x, spec)
-        self.calls[index] = (x, layer_params)
+        saved = x if self.keep_inputs else rules.stored_input(rule, layer_params, x, spec)
+        self.calls[index] = (saved, layer_params)
         return y + self.probes[index].astype(y.dtype)
 
     def call(self, rule, spec, params, x):
@@ -144,17 +144,18 @@ def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
         return rule.apply({**frozen, **trainable}, x, spec), jnp.zeros_like(sink)
 
     def forward_with_residuals(trainable, frozen, x, sink):
-        return forward(trainable, frozen, x, sink), (trainable, frozen, x)
+        saved = rules.stored_input(rule, {**frozen, **trainable}, x, spec)
+        return forward(trainable, frozen, x, sink), (trainable, frozen, saved)
 
     def backward(residuals, cotangents):
-        trainable, frozen, x = residuals
+        trainable, frozen, saved = residuals
         g, coef = cotangents
         params = {**frozen, **trainable}
-        uses = rule.per_example_grads(params, x, g, spec)
+        uses = rule.per_example_grads(params, saved, g, spec)
         sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
         grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j]).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
-        return grads, None, _input_grad(rule, spec, params, x, g), sq
+        return grads, None, rules.input_grad(rule, params, saved, g, spec), sq
 
     layer = jax.custom_vjp(forward)
     layer.defvjp(forward_with_residuals, backward)
@@ -198,12 +199,13 @@ def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, 
         return rule.apply({**frozen, **trainable}, x, spec)
 
     def forward_with_residuals(trainable, frozen, x, sink, keep):
-        return forward(trainable, frozen, x, sink, keep), (trainable, frozen, x, keep)
+        saved = rules.stored_input(rule, {**frozen, **trainable}, x, spec)
+        return forward(trainable, frozen, x, sink, keep), (trainable, frozen, saved, keep)
 
     def backward(residuals, g):
-        trainable, frozen, x, keep = residuals
+        trainable, frozen, saved, keep = residuals
         params = {**frozen, **trainable}
-        uses = rule.per_example_grads(params, x, g, spec)
+        uses = rule.per_example_grads(params, saved, g, spec)
         sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
         group_of = jnp.asarray(clip.group_of)
         n_local = len(clip.thresholds)
@@ -211,7 +213,7 @@ def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, 
         coef = clip.coefficients(jnp.sqrt(group_sq), jnp.asarray(clip.thresholds, jnp.float32), keep)
         grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]]).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
-        return grads, None, _input_grad(rule, spec, params, x, g), sq, None
+        return grads, None, rules.input_grad(rule, params, saved, g, spec), sq, None
 
     layer = jax.custom_vjp(forward)
     layer.defvjp(forward_with_residuals, backward)

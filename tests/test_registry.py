@@ -1,12 +1,16 @@
 """The registry's per-rule ``sq_norm(a, g)`` and ``clipped_grad(a, g, c)`` on raw arrays, against per-example
-gradients written out from their definitions (``a_i^T g_i``, one-hot scatter, ``sum_t g * xhat``)."""
+gradients written out from their definitions (``a_i^T g_i``, one-hot scatter, ``sum_t g * xhat``,
+``a_i^T S S^T g_i``)."""
 
+import jax
 import numpy as np
 import pytest
 
 from dpzero_jax import rules
 from dpzero_jax.rules.linear import LinearSpec
 from dpzero_jax.rules.norm import NormSpec
+from dpzero_jax.rules.rmm import RMMSpec
+from dpzero_jax.sketch import SKETCHES, RMMConfig, sketch_matrix
 
 RNG = np.random.default_rng(0)
 B, T, D, P, V = 3, 5, 4, 6, 7
@@ -55,3 +59,18 @@ def test_norm(rms):
     if not rms:
         per_example["bias"] = g.sum(1)
     check(rules.RULES["norm"], params, x, g, NormSpec(eps=1e-5, rms=rms), per_example)
+
+
+@pytest.mark.parametrize("sketch", SKETCHES)
+def test_rmm_linear(sketch):
+    """The RMM rule keeps ``S^T a [B, k, F]`` and its per-example kernel gradient is ``a_i^T S S^T g_i`` with one
+    ``S [T, k]`` for the batch; the bias gradient is exact."""
+    x = RNG.normal(size=(B, T, D)).astype(np.float32)
+    g = RNG.normal(size=(B, T, P)).astype(np.float32)
+    key = jax.random.key(5)
+    spec = RMMSpec(RMMConfig(sketch=sketch, rate=0.6))
+    params = {"kernel": np.zeros((D, P), np.float32), "bias": np.zeros(P, np.float32), "key": key}
+    s = np.asarray(sketch_matrix(key, T, 3, sketch), np.float64)
+    assert rules.stored_input(rules.RULES["rmm_linear"], params, x, spec).shape == (B, 3, D)
+    per_example = {"kernel": np.einsum("btd,tk,sk,bsp->bdp", x, s, s, g), "bias": g.sum(1)}
+    check(rules.RULES["rmm_linear"], params, x, g, spec, per_example)

@@ -10,6 +10,16 @@ A rule is an object with
 
 and from these two the registry derives, for any rule, ``sq_norm(a, g)`` and ``clipped_grad(a, g, c)``
 (see :func:`sq_norms` and :func:`clipped_grads`). Inputs always carry the batch axis first: ``x [B, ...]``.
+
+Two optional hooks let a layer keep less than its input for the backward pass (the RMM layer keeps a random
+projection ``S^T x``, :mod:`dpzero_jax.rules.rmm`):
+
+* ``residual(params, x, spec) -> saved``: what the tapes keep instead of ``x``; ``per_example_grads`` then receives
+  ``saved`` in place of ``x`` (default: ``saved = x``);
+* ``input_grad(params, saved, g, spec) -> dL/dx``: the input cotangent from ``saved`` (default: the VJP of
+  ``apply`` at ``x = saved``, ``None`` for integer inputs).
+
+:func:`stored_input` and :func:`input_grad` apply a rule's hook or the default.
 """
 
 from __future__ import annotations
@@ -18,11 +28,13 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from dpzero_jax import pergrad
 from dpzero_jax.rules.embed import EMBED
 from dpzero_jax.rules.linear import LINEAR
 from dpzero_jax.rules.norm import NORM
+from dpzero_jax.rules.rmm import RMM_LINEAR
 
 
 class LayerRule(Protocol):
@@ -34,15 +46,33 @@ class LayerRule(Protocol):
                           spec: Any) -> dict[str, pergrad.PerExampleGrad]: ...
 
 
-RULES: dict[str, LayerRule] = {rule.name: rule for rule in (LINEAR, EMBED, NORM)}
+RULES: dict[str, LayerRule] = {rule.name: rule for rule in (LINEAR, EMBED, NORM, RMM_LINEAR)}
+
+
+def stored_input(rule: LayerRule, params, x, spec):
+    """What a tape keeps of the layer input ``x`` for the backward pass: ``rule.residual(...)`` or ``x``."""
+    hook = getattr(rule, "residual", None)
+    return x if hook is None else hook(params, x, spec)
+
+
+def input_grad(rule: LayerRule, params, saved, g, spec):
+    """``dL/dx`` of one layer call from what was kept (:func:`stored_input`) and the output gradient ``g``."""
+    hook = getattr(rule, "input_grad", None)
+    if hook is not None:
+        return hook(params, saved, g, spec)
+    if not jnp.issubdtype(saved.dtype, jnp.inexact):
+        return None
+    _, pullback = jax.vjp(lambda x_: rule.apply(params, x_, spec), saved)
+    return pullback(g)[0]
 
 
 def sq_norms(rule: LayerRule, params, x, g, spec, method: str = "mixed") -> dict[str, jax.Array]:
-    """``{name: [B]}`` squared per-example gradient norms of one layer call's parameters."""
-    return {name: pergrad.sq_norm([use], method) for name, use in rule.per_example_grads(params, x, g, spec).items()}
+    """``{name: [B]}`` squared per-example gradient norms of one layer call's parameters (``x`` the layer input)."""
+    uses = rule.per_example_grads(params, stored_input(rule, params, x, spec), g, spec)
+    return {name: pergrad.sq_norm([use], method) for name, use in uses.items()}
 
 
 def clipped_grads(rule: LayerRule, params, x, g, spec, coef: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """``{name: sum_i coef[name]_i * grad_i}`` for one layer call; ``coef[name]: [B]``."""
-    uses = rule.per_example_grads(params, x, g, spec)
+    uses = rule.per_example_grads(params, stored_input(rule, params, x, spec), g, spec)
     return {name: pergrad.weighted_sum([use], coef[name]) for name, use in uses.items()}
