@@ -19,6 +19,7 @@ For the orthogonal sketches ``E[P^T P] = (k/n) I`` gives ``E[S S^T] = D H^T H D 
 ``S S^T = I`` exactly (the estimate is then exact). Gaussian and Rademacher sketches are drawn in column blocks of
 at most ``SKETCH_BLOCK`` entries (block ``c`` from ``fold_in(key, c)``), so a large ``n`` never materialises all
 of ``S`` at once; the block width depends only on ``(n, k)``, so ``S`` is the same for every ``x`` it multiplies.
+The orthogonal transforms are applied to pieces of at most ``TRANSFORM_PIECE`` entries of ``x`` at a time.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SKETCHES = ("gaussian", "rademacher", "dct", "dft")
 ORTHOGONAL_SKETCHES = ("dct", "dft")
 PROJECTIONS = ("rows", "tokens")
 SKETCH_BLOCK = 1 << 18   # entries of S drawn at once (part of the definition of S for a given key)
+TRANSFORM_PIECE = 1 << 16   # entries of x transformed at once by the orthogonal sketches (memory only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,23 +156,59 @@ def orthogonal_transform(x32: Array, sketch: str) -> Array:
     return (spectrum.real - spectrum.imag) / jnp.sqrt(jnp.float32(x32.shape[-2]))
 
 
+def _largest_divisor(m: int, limit: int) -> int:
+    return next(d for d in range(max(1, min(m, limit)), 0, -1) if m % d == 0)
+
+
 def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str) -> Array:
-    n = x32.shape[-2]
+    n, features = x32.shape[-2:]
     sign_key, select_key = jax.random.split(key)
     signs = jnp.where(noise.random_bits(sign_key, (n,)) >> 31 == 1, 1.0, -1.0).astype(jnp.float32)
     rows = jax.random.permutation(select_key, n)[:k]
-    transformed = orthogonal_transform(x32 * signs[:, None], sketch)
-    return jnp.take(transformed, rows, axis=-2) * jnp.sqrt(jnp.float32(n / k))
+
+    def block(x):                                    # [..., n, f] -> [..., k, f]
+        transformed = orthogonal_transform(x * signs[:, None], sketch)
+        return jnp.take(transformed, rows, axis=-2) * jnp.sqrt(jnp.float32(n / k))
+
+    # The FFT-based transforms need several temporaries the size of their input: apply them to pieces of at most
+    # TRANSFORM_PIECE entries (whole leading items when they fit, otherwise column blocks; columns are independent).
+    flat = x32.reshape((-1, n, features))
+    count = flat.shape[0]
+    if flat.size <= TRANSFORM_PIECE:
+        out = block(flat)
+    elif n * features <= TRANSFORM_PIECE:
+        items = _largest_divisor(count, TRANSFORM_PIECE // (n * features))
+        out = jax.lax.map(block, flat.reshape((count // items, items, n, features)))
+    else:
+        width = _largest_divisor(features, max(1, TRANSFORM_PIECE // (n * count)))
+        pieces = jnp.moveaxis(flat.reshape((count, n, features // width, width)), 2, 0)
+        out = jnp.moveaxis(jax.lax.map(block, pieces), 0, 2)
+    return out.reshape(x32.shape[:-2] + (k, features))
 
 
-def project(key, x: Array, k: int, sketch: str) -> Array:
+def _drawn_after(key: Array, x: Array) -> Array:
+    """The same key, made to depend on the data of ``x`` (``+ 0`` computed from one entry of ``x``).
+
+    Without it the draws of ``S`` depend on the key alone, and XLA:CPU's scheduler hoists them to the start of the
+    program (all layers' ``S`` alive at once) or shares the forward and backward draws (each ``S`` alive from the
+    forward to the backward pass); ``lax.optimization_barrier`` is removed before scheduling and does not prevent
+    this. Non-finite entries are mapped to 0 first, so the key -- and ``S`` -- never changes.
+    """
+    anchor = x.reshape(-1)[0].astype(jnp.float32)
+    zero = (jnp.where(jnp.isfinite(anchor), anchor, 0.0) * 0.0).astype(jnp.uint32)
+    return jax.random.wrap_key_data(jax.random.key_data(key) + zero, impl=jax.random.key_impl(key))
+
+
+def project(key, x: Array, k: int, sketch: str, *, after_x: bool = False) -> Array:
     """``S^T x`` along axis -2: ``x [..., n, F] -> [..., k, F]`` with ``S [n, k]`` the sketch drawn from ``key``.
 
     Computed in float32, returned in ``x.dtype``. The leading axes share one ``S`` (the DP layout ``[B, T, F]``
-    projects every example's positions with the same ``S``).
+    projects every example's positions with the same ``S``). ``after_x``: draw ``S`` only once ``x`` exists (see
+    :func:`_drawn_after`; worth it for a large ``S``). Not under ``jax.vmap`` over ``x``: the key then becomes
+    batched, and XLA's bit generator draws differently for a batched key.
     """
     _check(x, k, sketch)
-    key = as_key(key)
+    key = _drawn_after(as_key(key), x) if after_x else as_key(key)
     x32 = x.astype(jnp.float32)
     if sketch in ORTHOGONAL_SKETCHES:
         out = _project_orthogonal(key, x32, k, sketch)

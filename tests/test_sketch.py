@@ -92,6 +92,13 @@ def test_project_is_one_linear_map(sketch):
     np.testing.assert_allclose(sk.project(key, y, k, sketch), s.T @ np.asarray(y), rtol=2e-4, atol=2e-4)
     raw = jax.random.key_data(key)
     np.testing.assert_array_equal(sk.project(raw, y, k, sketch), sk.project(key, y, k, sketch))
+    np.testing.assert_array_equal(sk.project(key, y, k, sketch, after_x=True), sk.project(key, y, k, sketch))
+    if sketch in sk.ORTHOGONAL_SKETCHES:   # applied piece by piece: whole leading items, or column blocks
+        assert 40 * n > sk.TRANSFORM_PIECE >= n
+        for shape in ((40, n, 1), (n, 40)):
+            z = jax.random.normal(jax.random.key(3), shape)
+            np.testing.assert_allclose(sk.project(key, z, k, sketch), np.einsum("nk,...nf->...kf", s, z),
+                                       rtol=2e-4, atol=2e-4)
 
 
 def test_projected_size():
