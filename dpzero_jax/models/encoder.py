@@ -1,0 +1,77 @@
+"""A BERT-style encoder classifier from DP layers: token + position embeddings, a class token, bidirectional pre-LN
+blocks, classification from the class token. Tokens are ids (``vocab_size``) or feature vectors
+(``token_features``, embedded by a linear layer, e.g. image patches)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpzero_jax import nn
+from dpzero_jax.models.transformer import Block
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    vocab_size: int | None = 17
+    token_features: int | None = None
+    max_length: int = 64            # tokens per example (the class token comes on top)
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    num_classes: int = 10
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if (self.vocab_size is None) == (self.token_features is None):
+            raise ValueError("EncoderConfig needs exactly one of vocab_size (token ids) and token_features "
+                             f"(feature vectors); got {self.vocab_size!r} and {self.token_features!r}")
+        for name in ("vocab_size", "token_features", "max_length", "hidden_size", "num_layers", "num_heads",
+                     "intermediate_size", "num_classes"):
+            value = getattr(self, name)
+            if value is None and name in ("vocab_size", "token_features"):
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EncoderConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"EncoderConfig: hidden_size={self.hidden_size} is not divisible by "
+                             f"num_heads={self.num_heads}")
+
+
+class Encoder(nnx.Module):
+    """``tokens [B, T] int (ids) or [B, T, token_features] -> logits [B, num_classes]``; a class token is prepended
+    (``T + 1`` positions)."""
+
+    def __init__(self, config: EncoderConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d = config.hidden_size
+        if config.vocab_size is not None:
+            self.tokens = nn.Embed(config.vocab_size, d, rngs=rngs)
+        else:
+            self.tokens = nn.Linear(config.token_features, d, rngs=rngs)
+        self.cls = nn.Embed(1, d, rngs=rngs)
+        self.position = nn.Embed(config.max_length + 1, d, rngs=rngs)
+        self.blocks = nnx.List([Block(d, config.num_heads, config.intermediate_size, causal=False,
+                                      approximate_gelu=False, eps=config.layer_norm_eps, rngs=rngs)
+                                for _ in range(config.num_layers)])
+        self.ln = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.head = nn.Linear(d, config.num_classes, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        expected = 2 if c.vocab_size is not None else 3
+        if tokens.ndim != expected or tokens.shape[1] > c.max_length or (
+                expected == 3 and tokens.shape[2] != c.token_features):
+            shape = "[B, T]" if expected == 2 else f"[B, T, {c.token_features}]"
+            raise ValueError(f"tokens must be {shape} with T <= {c.max_length}, got shape {tokens.shape}")
+        batch, length = tokens.shape[:2]
+        cls = self.cls(jnp.zeros((batch, 1), jnp.int32))
+        x = jnp.concatenate([cls, self.tokens(tokens)], axis=1)
+        x = x + self.position(jnp.broadcast_to(jnp.arange(length + 1), (batch, length + 1)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x[:, 0]))
