@@ -200,15 +200,12 @@ def layer_diagnostics(x, g, config: RMMConfig, *, n_in: int = 1, count=None,
     return LayerDiagnostics(sgd, paper, variance, corr, kept_rows / (count - 1) * paper / sgd, (corr + 1) / corr)
 
 
-def diagnostics_fn(loss_fn: Callable, *, config: RMMConfig | None = None, exact_variance: bool = True,
-                   layers: Callable[[str], bool] | None = None) -> Callable:
-    """``fn(params, batch, mask=None) -> {layer path: LayerDiagnostics}`` for the RMM layers of ``loss_fn``'s model
-    (each with its own config) and, when ``config`` is given, its plain linear layers too (what RMM *would* do to
-    them: a way to choose the rate before converting). Jittable.
-
-    ``Y`` is the output gradient of the mean loss over the examples with ``mask`` (default all). ``layers(path)``
-    selects layers by path (e.g. ``"h/0/mlp/c_fc"``). One forward and one backward pass, exact layer inputs.
-    """
+def capture_fn(loss_fn: Callable, *, config: RMMConfig | None = None,
+               layers: Callable[[str], bool] | None = None) -> Callable:
+    """``fn(params, batch, mask=None) -> {layer path: (x, g, config, n_in)}``: the exact input ``x [B, *T, *in]``
+    and the output gradient ``g [B, *T, *out]`` of the mean loss over the examples with ``mask`` (default all) of
+    every RMM layer (with its own config) and, when ``config`` is given, of every plain linear layer. One forward
+    and one backward pass; jittable. ``layers(path)`` selects layers by path (e.g. ``"h/0/mlp/c_fc"``)."""
 
     def selected(record):
         path = record.param_paths[0][1].rsplit("/", 1)[0]
@@ -224,7 +221,6 @@ def diagnostics_fn(loss_fn: Callable, *, config: RMMConfig | None = None, exact_
         plan = engine.make_plan(loss_fn, DPConfig(noise_multiplier=0.0), params, batch, require_supported=False)
         chosen = {r.index: selected(r) for r in plan.records}
         chosen = {index: info for index, info in chosen.items() if info is not None}
-        size = plan.batch_size
         probes = {r.index: jnp.zeros(r.output_shape, r.output_dtype) for r in plan.records if r.index in chosen}
         leaf_ids = {id(leaf): path for leaf, path in zip(jax.tree.leaves(params), plan.paths)}
 
@@ -234,16 +230,28 @@ def diagnostics_fn(loss_fn: Callable, *, config: RMMConfig | None = None, exact_
                 losses = loss_fn(params, batch)
             return losses, capture.calls
 
-        weights = jnp.ones((size,), jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
-        count = jnp.sum(weights)
+        weights = jnp.ones((plan.batch_size,), jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
         losses, pullback, calls = jax.vjp(forward, probes, has_aux=True)
-        (output_grads,) = pullback((weights / jnp.maximum(count, 1.0)).astype(losses.dtype))
-        out = {}
-        for index, (path, layer_config, n_in) in chosen.items():
-            x, _ = calls[index]
-            out[path] = layer_diagnostics(x, output_grads[index], layer_config, n_in=n_in, count=count,
-                                          exact_variance=exact_variance)
-        return out
+        (output_grads,) = pullback((weights / jnp.maximum(jnp.sum(weights), 1.0)).astype(losses.dtype))
+        return {path: (calls[index][0], output_grads[index], layer_config, n_in)
+                for index, (path, layer_config, n_in) in chosen.items()}
+
+    return fn
+
+
+def diagnostics_fn(loss_fn: Callable, *, config: RMMConfig | None = None, exact_variance: bool = True,
+                   layers: Callable[[str], bool] | None = None) -> Callable:
+    """``fn(params, batch, mask=None) -> {layer path: LayerDiagnostics}`` for the RMM layers of ``loss_fn``'s model
+    (each with its own config) and, when ``config`` is given, its plain linear layers too (what RMM *would* do to
+    them: a way to choose the rate before converting). Jittable; see :func:`capture_fn` for ``layers`` and the
+    gradient used (the mean loss over the examples with ``mask``).
+    """
+    capture = capture_fn(loss_fn, config=config, layers=layers)
+
+    def fn(params, batch, mask=None):
+        count = None if mask is None else jnp.sum(jnp.asarray(mask, jnp.float32))
+        return {path: layer_diagnostics(x, g, layer_config, n_in=n_in, count=count, exact_variance=exact_variance)
+                for path, (x, g, layer_config, n_in) in capture(params, batch, mask).items()}
 
     return fn
 
