@@ -130,20 +130,26 @@ def block_width(n: int, k: int) -> int:
     return max(1, min(k, SKETCH_BLOCK // n))
 
 
-def _project_iid(key: Array, x32: Array, k: int, sketch: str) -> Array:
+def _project_iid(key: Array, x32: Array, k: int, sketch: str, ordered: bool) -> Array:
     n = x32.shape[-2]
     width = block_width(n, k)
     n_blocks = -(-k // width)
 
-    def block(c):
-        s = _iid_entries(jax.random.fold_in(key, c), (n, width), sketch)
+    def block(block_key):
+        s = _iid_entries(block_key, (n, width), sketch)
         return jnp.einsum("nk,...nf->...kf", s, x32, preferred_element_type=jnp.float32)
 
     if n_blocks == 1:
-        out = block(0)
+        out = block(jax.random.fold_in(key, 0))
+    elif ordered:   # one block at a time: block c is drawn only once block c - 1 is done
+        outs = []
+        for c in range(n_blocks):
+            block_key = jax.random.fold_in(key, c)
+            outs.append(block(block_key if not outs else _drawn_after(block_key, outs[-1])))
+        out = jnp.concatenate(outs, axis=-2)
     else:
-        blocks = jax.lax.map(block, jnp.arange(n_blocks))                     # [blocks, ..., width, F]
-        out = jnp.moveaxis(blocks, 0, -3)
+        blocks = jax.lax.map(lambda c: block(jax.random.fold_in(key, c)), jnp.arange(n_blocks))
+        out = jnp.moveaxis(blocks, 0, -3)                                     # [..., blocks, width, F]
         out = out.reshape(out.shape[:-3] + (n_blocks * width, out.shape[-1]))
     return out[..., :k, :] / jnp.sqrt(jnp.float32(k))
 
@@ -160,7 +166,7 @@ def _largest_divisor(m: int, limit: int) -> int:
     return next(d for d in range(max(1, min(m, limit)), 0, -1) if m % d == 0)
 
 
-def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str) -> Array:
+def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str, ordered: bool) -> Array:
     n, features = x32.shape[-2:]
     sign_key, select_key = jax.random.split(key)
     signs = jnp.where(noise.random_bits(sign_key, (n,)) >> 31 == 1, 1.0, -1.0).astype(jnp.float32)
@@ -170,6 +176,14 @@ def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str) -> Array:
         transformed = orthogonal_transform(x * signs[:, None], sketch)
         return jnp.take(transformed, rows, axis=-2) * jnp.sqrt(jnp.float32(n / k))
 
+    def pieces(stacked):                             # [p, ...] -> [p, ..., k, f], one piece at a time
+        if not ordered:
+            return jax.lax.map(block, stacked)
+        outs = []
+        for c in range(stacked.shape[0]):
+            outs.append(block(stacked[c] if not outs else _after_finite(stacked[c], outs[-1])))
+        return jnp.stack(outs)
+
     # The FFT-based transforms need several temporaries the size of their input: apply them to pieces of at most
     # TRANSFORM_PIECE entries (whole leading items when they fit, otherwise column blocks; columns are independent).
     flat = x32.reshape((-1, n, features))
@@ -178,12 +192,22 @@ def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str) -> Array:
         out = block(flat)
     elif n * features <= TRANSFORM_PIECE:
         items = _largest_divisor(count, TRANSFORM_PIECE // (n * features))
-        out = jax.lax.map(block, flat.reshape((count // items, items, n, features)))
+        out = pieces(flat.reshape((count // items, items, n, features)))
     else:
         width = _largest_divisor(features, max(1, TRANSFORM_PIECE // (n * count)))
-        pieces = jnp.moveaxis(flat.reshape((count, n, features // width, width)), 2, 0)
-        out = jnp.moveaxis(jax.lax.map(block, pieces), 0, 2)
+        out = jnp.moveaxis(pieces(jnp.moveaxis(flat.reshape((count, n, features // width, width)), 2, 0)), 0, 2)
     return out.reshape(x32.shape[:-2] + (k, features))
+
+
+def _finite_zero(x: Array) -> Array:
+    """A float32 zero computed from one entry of ``x`` (non-finite entries masked), which XLA cannot fold away."""
+    anchor = x.reshape(-1)[0].astype(jnp.float32)
+    return jnp.where(jnp.isfinite(anchor), anchor, 0.0) * 0.0
+
+
+def _after_finite(value: Array, dependency: Array) -> Array:
+    """``value`` (unchanged) made to depend on ``dependency``'s data."""
+    return value + _finite_zero(dependency).astype(value.dtype)
 
 
 def _drawn_after(key: Array, x: Array) -> Array:
@@ -194,8 +218,7 @@ def _drawn_after(key: Array, x: Array) -> Array:
     forward to the backward pass); ``lax.optimization_barrier`` is removed before scheduling and does not prevent
     this. Non-finite entries are mapped to 0 first, so the key -- and ``S`` -- never changes.
     """
-    anchor = x.reshape(-1)[0].astype(jnp.float32)
-    zero = (jnp.where(jnp.isfinite(anchor), anchor, 0.0) * 0.0).astype(jnp.uint32)
+    zero = _finite_zero(x).astype(jnp.uint32)
     return jax.random.wrap_key_data(jax.random.key_data(key) + zero, impl=jax.random.key_impl(key))
 
 
@@ -203,17 +226,18 @@ def project(key, x: Array, k: int, sketch: str, *, after_x: bool = False) -> Arr
     """``S^T x`` along axis -2: ``x [..., n, F] -> [..., k, F]`` with ``S [n, k]`` the sketch drawn from ``key``.
 
     Computed in float32, returned in ``x.dtype``. The leading axes share one ``S`` (the DP layout ``[B, T, F]``
-    projects every example's positions with the same ``S``). ``after_x``: draw ``S`` only once ``x`` exists (see
-    :func:`_drawn_after`; worth it for a large ``S``). Not under ``jax.vmap`` over ``x``: the key then becomes
-    batched, and XLA's bit generator draws differently for a batched key.
+    projects every example's positions with the same ``S``). ``after_x``: draw ``S`` only once ``x`` exists and
+    one block (piece) after the other (see :func:`_drawn_after`; worth it for a large ``S``); the result is the
+    same. Not under ``jax.vmap`` over ``x``: the key then becomes batched, and XLA's bit generator draws
+    differently for a batched key.
     """
     _check(x, k, sketch)
     key = _drawn_after(as_key(key), x) if after_x else as_key(key)
     x32 = x.astype(jnp.float32)
     if sketch in ORTHOGONAL_SKETCHES:
-        out = _project_orthogonal(key, x32, k, sketch)
+        out = _project_orthogonal(key, x32, k, sketch, ordered=after_x)
     else:
-        out = _project_iid(key, x32, k, sketch)
+        out = _project_iid(key, x32, k, sketch, ordered=after_x)
     return out.astype(x.dtype)
 
 

@@ -97,8 +97,9 @@ def test_project_is_one_linear_map(sketch):
         assert 40 * n > sk.TRANSFORM_PIECE >= n
         for shape in ((40, n, 1), (n, 40)):
             z = jax.random.normal(jax.random.key(3), shape)
-            np.testing.assert_allclose(sk.project(key, z, k, sketch), np.einsum("nk,...nf->...kf", s, z),
-                                       rtol=2e-4, atol=2e-4)
+            for after_x in (False, True):
+                np.testing.assert_allclose(sk.project(key, z, k, sketch, after_x=after_x),
+                                           np.einsum("nk,...nf->...kf", s, z), rtol=2e-4, atol=2e-4)
 
 
 def test_projected_size():
