@@ -166,7 +166,7 @@ def _largest_divisor(m: int, limit: int) -> int:
     return next(d for d in range(max(1, min(m, limit)), 0, -1) if m % d == 0)
 
 
-def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str, ordered: bool) -> Array:
+def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str) -> Array:
     n, features = x32.shape[-2:]
     sign_key, select_key = jax.random.split(key)
     signs = jnp.where(noise.random_bits(sign_key, (n,)) >> 31 == 1, 1.0, -1.0).astype(jnp.float32)
@@ -177,9 +177,7 @@ def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str, ordered: bo
         return jnp.take(transformed, rows, axis=-2) * jnp.sqrt(jnp.float32(n / k))
 
     def pieces(stacked):                             # [p, ...] -> [p, ..., k, f], one piece at a time
-        if not ordered:
-            return jax.lax.map(block, stacked)
-        outs = []
+        outs = []   # (ordered through the data, not the key: safe under vmap, and each piece's output unchanged)
         for c in range(stacked.shape[0]):
             outs.append(block(stacked[c] if not outs else _after_finite(stacked[c], outs[-1])))
         return jnp.stack(outs)
@@ -227,15 +225,15 @@ def project(key, x: Array, k: int, sketch: str, *, after_x: bool = False) -> Arr
 
     Computed in float32, returned in ``x.dtype``. The leading axes share one ``S`` (the DP layout ``[B, T, F]``
     projects every example's positions with the same ``S``). ``after_x``: draw ``S`` only once ``x`` exists and
-    one block (piece) after the other (see :func:`_drawn_after`; worth it for a large ``S``); the result is the
-    same. Not under ``jax.vmap`` over ``x``: the key then becomes batched, and XLA's bit generator draws
-    differently for a batched key.
+    one block after the other (see :func:`_drawn_after`; worth it for a large ``S``); the result is the same.
+    Not under ``jax.vmap`` over ``x``: the key then becomes batched, and XLA's bit generator draws differently for
+    a batched key.
     """
     _check(x, k, sketch)
     key = _drawn_after(as_key(key), x) if after_x else as_key(key)
     x32 = x.astype(jnp.float32)
     if sketch in ORTHOGONAL_SKETCHES:
-        out = _project_orthogonal(key, x32, k, sketch, ordered=after_x)
+        out = _project_orthogonal(key, x32, k, sketch)
     else:
         out = _project_iid(key, x32, k, sketch, ordered=after_x)
     return out.astype(x.dtype)
