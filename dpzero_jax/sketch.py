@@ -197,15 +197,17 @@ def _project_orthogonal(key: Array, x32: Array, k: int, sketch: str) -> Array:
     return out.reshape(x32.shape[:-2] + (k, features))
 
 
-def _finite_zero(x: Array) -> Array:
-    """A float32 zero computed from one entry of ``x`` (non-finite entries masked), which XLA cannot fold away."""
-    anchor = x.reshape(-1)[0].astype(jnp.float32)
-    return jnp.where(jnp.isfinite(anchor), anchor, 0.0) * 0.0
+def finite_zero(x: Array, batched: bool = False) -> Array:
+    """A float32 zero computed from one entry of ``x`` (per example along the leading axis with ``batched``: shape
+    ``[B]``), which XLA cannot fold away: a data dependency that changes no value (non-finite entries are masked,
+    so ``value + finite_zero(x)`` equals ``value``) and carries no gradient."""
+    anchor = (x.reshape(x.shape[0], -1)[:, 0] if batched else x.reshape(-1)[0]).astype(jnp.float32)
+    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(anchor), anchor, 0.0) * 0.0)
 
 
 def _after_finite(value: Array, dependency: Array) -> Array:
     """``value`` (unchanged) made to depend on ``dependency``'s data."""
-    return value + _finite_zero(dependency).astype(value.dtype)
+    return value + finite_zero(dependency).astype(value.dtype)
 
 
 def _drawn_after(key: Array, x: Array) -> Array:
@@ -216,7 +218,7 @@ def _drawn_after(key: Array, x: Array) -> Array:
     forward to the backward pass); ``lax.optimization_barrier`` is removed before scheduling and does not prevent
     this. Non-finite entries are mapped to 0 first, so the key -- and ``S`` -- never changes.
     """
-    zero = _finite_zero(x).astype(jnp.uint32)
+    zero = finite_zero(x).astype(jnp.uint32)
     return jax.random.wrap_key_data(jax.random.key_data(key) + zero, impl=jax.random.key_impl(key))
 
 

@@ -124,8 +124,10 @@ class CaptureTape(_Tape):
         trainable, frozen, _ = self._split(params)
         held = {name: jax.lax.stop_gradient(v) for name, v in trainable.items()}
         layer_params = {**frozen, **held}
-        y = rule.apply(layer_params, x, spec)
-        saved = x if self.keep_inputs else rules.stored_input(rule, layer_params, x, spec)
+        if self.keep_inputs:
+            y, saved = rule.apply(layer_params, x, spec), x
+        else:
+            y, saved = rules.forward_and_stored(rule, layer_params, x, spec)
         self.calls[index] = (saved, layer_params)
         return y + self.probes[index].astype(y.dtype)
 
@@ -144,8 +146,8 @@ def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
         return rule.apply({**frozen, **trainable}, x, spec), jnp.zeros_like(sink)
 
     def forward_with_residuals(trainable, frozen, x, sink):
-        saved = rules.stored_input(rule, {**frozen, **trainable}, x, spec)
-        return forward(trainable, frozen, x, sink), (trainable, frozen, saved)
+        y, saved = rules.forward_and_stored(rule, {**frozen, **trainable}, x, spec)
+        return (y, jnp.zeros_like(sink)), (trainable, frozen, saved)
 
     def backward(residuals, cotangents):
         trainable, frozen, saved = residuals
@@ -199,8 +201,8 @@ def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, 
         return rule.apply({**frozen, **trainable}, x, spec)
 
     def forward_with_residuals(trainable, frozen, x, sink, keep):
-        saved = rules.stored_input(rule, {**frozen, **trainable}, x, spec)
-        return forward(trainable, frozen, x, sink, keep), (trainable, frozen, saved, keep)
+        y, saved = rules.forward_and_stored(rule, {**frozen, **trainable}, x, spec)
+        return y, (trainable, frozen, saved, keep)
 
     def backward(residuals, g):
         trainable, frozen, saved, keep = residuals

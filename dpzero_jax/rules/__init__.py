@@ -19,7 +19,8 @@ projection ``S^T x``, :mod:`dpzero_jax.rules.rmm`):
 * ``input_grad(params, saved, g, spec) -> dL/dx``: the input cotangent from ``saved`` (default: the VJP of
   ``apply`` at ``x = saved``, ``None`` for integer inputs).
 
-:func:`stored_input` and :func:`input_grad` apply a rule's hook or the default.
+:func:`stored_input` and :func:`input_grad` apply a rule's hook or the default; the tapes use
+:func:`forward_and_stored`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dpzero_jax.rules.embed import EMBED
 from dpzero_jax.rules.linear import LINEAR
 from dpzero_jax.rules.norm import NORM
 from dpzero_jax.rules.rmm import RMM_LINEAR
+from dpzero_jax.sketch import finite_zero
 
 
 class LayerRule(Protocol):
@@ -53,6 +55,19 @@ def stored_input(rule: LayerRule, params, x, spec):
     """What a tape keeps of the layer input ``x`` for the backward pass: ``rule.residual(...)`` or ``x``."""
     hook = getattr(rule, "residual", None)
     return x if hook is None else hook(params, x, spec)
+
+
+def forward_and_stored(rule: LayerRule, params, x, spec):
+    """``(y, saved)``: the layer output and :func:`stored_input`. When the rule keeps a residual, ``y`` is given a
+    data dependency on it (per example, no value or gradient change) so that XLA computes the residual before the
+    next layer runs and can free ``x``; left alone, XLA:CPU's scheduler delays such side computations to the end of
+    the forward pass, keeping every layer input alive."""
+    y = rule.apply(params, x, spec)
+    if getattr(rule, "residual", None) is None:
+        return y, x
+    saved = stored_input(rule, params, x, spec)
+    zero = finite_zero(saved, batched=True).reshape((-1,) + (1,) * (y.ndim - 1))
+    return y + zero.astype(y.dtype), saved
 
 
 def input_grad(rule: LayerRule, params, saved, g, spec):
