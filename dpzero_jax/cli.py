@@ -125,6 +125,13 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--out", help="output directory (metrics.jsonl, training.png, checkpoints/)")
     train.add_argument("--log-every", type=_positive_int("--log-every"))
     train.add_argument("--checkpoint-every", type=_non_negative_int("--checkpoint-every"), help="0: never")
+    train.add_argument("--keep-checkpoints", type=_positive_int("--keep-checkpoints"))
+    train.add_argument("--eval-every", type=_non_negative_int("--eval-every"),
+                       help="test-set evaluation every N steps (0: only at the end)")
+    train.add_argument("--sampling", choices=("poisson", "fixed-size", "shuffled"),
+                       help="poisson (default), fixed-size (needs --accountant rdp) or shuffled (no formal guarantee)")
+    train.add_argument("--devices", type=_positive_int("--devices"),
+                       help="data-parallel over N devices (N virtual CPU devices when there is no accelerator)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -182,6 +189,14 @@ def _train(args) -> str:
     if "epochs" in options:
         values["steps"] = None
     values.update(options)
+    if values.get("devices"):  # virtual CPU devices must be requested before JAX's first operation
+        import jax
+
+        try:
+            if jax.config.jax_num_cpu_devices < int(values["devices"]):
+                jax.config.update("jax_num_cpu_devices", int(values["devices"]))
+        except (RuntimeError, TypeError, ValueError):
+            pass  # already started, or a bad value: TrainConfig reports it
     result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
     return result.summary() + f"\noutputs in {result.out}"
 
