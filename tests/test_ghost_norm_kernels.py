@@ -279,3 +279,30 @@ def test_kernels_inside_shard_map_with_the_batch_sharded():
     _check(gram, expected, jnp.float32)
     _check(inst, expected, jnp.float32)
     _check(embed, np.sum(_grads(_onehot(np.asarray(ids), 6), right64) ** 2, axis=(1, 2)), jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Native lowering, without the hardware.
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_kernels_lower_for_their_platform(platform):
+    """``jax.export`` runs the Pallas -> Mosaic TPU / Mosaic GPU lowering on this machine: every kernel, with its
+    default (production) blocks and ragged shapes, lowers for the real backend. What it cannot check: the Mosaic
+    compiler passes that run later, on the device (TPU layouts, ptxas), and of course speed."""
+    shape = jax.ShapeDtypeStruct
+    left, right = shape((2, 300, 384), jnp.bfloat16), shape((2, 300, 200), jnp.bfloat16)
+    ids, coef = shape((2, 300), jnp.int32), shape((2,), jnp.float32)
+    if platform == "tpu":
+        cases = [(pallas_tpu.gram_sq_norm, (left, right)),
+                 (lambda a, g: pallas_tpu.gram_sq_norm(a, g, a[:, :100], g[:, :100]), (left, right)),
+                 (functools.partial(pallas_tpu.gram_sq_norm, left_is_ids=True), (ids, right)),
+                 (pallas_tpu.instantiated_sq_norm, (left, right)),
+                 (pallas_tpu.weighted_sum, (left, right, coef))]
+    else:
+        cases = [(pallas_gpu.gram_sq_norm, (left, right)),
+                 (lambda a, g: pallas_gpu.gram_sq_norm(a, g, a[:, :100], g[:, :100]), (left, right)),
+                 (functools.partial(pallas_gpu.gram_sq_norm, left_is_ids=True), (ids, right)),
+                 (pallas_gpu.instantiated_sq_norm, (left, right))]
+    for fn, args in cases:
+        module = jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+        assert ("tpu_custom_call" if platform == "tpu" else "mosaic_gpu") in module
