@@ -36,6 +36,7 @@ def test_modes_with_pallas_kernels(model, mode, clip_fn, groups, extra):
     check_private(SETUPS[model](), clip_fn=clip_fn, groups=groups, mode=mode, norm_kernel="pallas", **extra)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU kernels take 16-bit inputs; these models are float32")
 @pytest.mark.parametrize("mode", ["bk", "ghost", "fused"])
 def test_pallas_kernels_are_in_the_program(mode):
     setup = SETUPS["gpt2-untied"]()
