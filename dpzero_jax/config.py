@@ -10,6 +10,7 @@ from typing import Any
 
 from dpzero_jax.clipping import CLIP_FUNCTIONS, validate_groups
 from dpzero_jax.pergrad import NORM_METHODS
+from kernels.ghost_norm import NORM_KERNELS
 
 MODES = ("auto", "bk", "ghost", "fused", "vmap")
 
@@ -28,6 +29,10 @@ class DPConfig:
     norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``: the space rule of paper 000), ``"fastest"``
         (ghost iff it takes fewer operations than instantiating and reusing the per-example gradient),
         ``"ghost"`` or ``"instantiate"``.
+    norm_kernel: how weight norms (and clipped sums) are computed: ``"xla"`` (einsums that build the ``[B, T, T]``
+        Grams or the ``[B, rows, cols]`` per-example gradients), ``"pallas"`` (the tiled kernels of
+        ``kernels.ghost_norm``: neither buffer; the mixed rule then decides on operations) or ``"auto"`` (default:
+        currently ``"xla"`` on every backend -- the kernels are only interpreted on CPU and not yet timed on GPU/TPU).
     expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
     microbatch_size: examples per chunk in ``vmap`` and ``bk`` modes (``None``: the whole batch at once).
     gamma: the stability constant of automatic clipping.
@@ -40,6 +45,7 @@ class DPConfig:
     groups: Any = "all-layer"
     mode: str = "auto"
     norm_method: str = "mixed"
+    norm_kernel: str = "auto"
     expected_batch_size: float | None = None
     microbatch_size: int | None = None
     gamma: float = 0.01
@@ -61,6 +67,9 @@ class DPConfig:
             raise ValueError(f"DPConfig.mode={self.mode!r}: expected one of {MODES}")
         if self.norm_method not in NORM_METHODS:
             raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {NORM_METHODS}")
+        if self.norm_kernel not in NORM_KERNELS:
+            raise ValueError(f"DPConfig.norm_kernel={self.norm_kernel!r}: expected one of {NORM_KERNELS} "
+                             "('pallas' runs the tiled Pallas kernels of kernels.ghost_norm)")
         validate_groups(self.groups)
         if self.expected_batch_size is not None:
             positive_number("expected_batch_size", self.expected_batch_size)

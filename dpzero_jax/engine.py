@@ -34,6 +34,7 @@ import numpy as np
 from dpzero_jax import clipping, noise, pergrad
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.config import DPConfig
+from kernels import ghost_norm
 
 Array = jax.Array
 
@@ -224,16 +225,22 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask)
     losses, pullback, calls = jax.vjp(forward, probes, has_aux=True)
     (output_grads,) = pullback(jnp.ones_like(losses))
     uses = _per_example_uses(plan, calls, output_grads, plan.uses)
-    # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
-    # reused for the clipped sum (no second contraction).
-    instantiated = {path: sum(pergrad.instantiate(v) for v in u) for path, u in uses.items()
-                    if not pergrad.use_ghost(u, cfg.norm_method)}
-    sq = {path: (jnp.sum(jnp.square(instantiated[path]).reshape(size, -1), axis=1) if path in instantiated
-                 else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
+    kernel = cfg.norm_kernel
+    if kernel == "pallas":
+        # The kernels never hold a per-example gradient: norms and clipped sums are separate tiled passes.
+        sq = {path: pergrad.sq_norm(u, cfg.norm_method, kernel) for path, u in uses.items()}
+        instantiated = {}
+    else:
+        # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
+        # reused for the clipped sum (no second contraction).
+        instantiated = {path: sum(pergrad.instantiate(v) for v in u) for path, u in uses.items()
+                        if not pergrad.use_ghost(u, cfg.norm_method)}
+        sq = {path: (jnp.sum(jnp.square(instantiated[path]).reshape(size, -1), axis=1) if path in instantiated
+                     else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
     grads = {path: pergrad.weighted_sum([pergrad.Direct(instantiated[path])] if path in instantiated else u,
-                                        coef[:, plan.group_of[path]]) for path, u in uses.items()}
+                                        coef[:, plan.group_of[path]], kernel) for path, u in uses.items()}
     return losses, grads, norms, coef
 
 
@@ -279,7 +286,7 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
              for r in plan.records if r.index not in shared}
 
     def forward(params, sinks, probes):
-        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method)
+        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method, cfg.norm_kernel)
         with tape_lib.active(ghost):
             losses = loss_fn(params, batch)
         return (losses, ghost.ports), ghost.calls
@@ -296,13 +303,14 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     shared_paths = [p for p, us in plan.uses.items() if any(index in shared for index, _ in us)]
     shared_uses = _per_example_uses(plan, calls, probe_ct, shared_paths)
     for path, u in shared_uses.items():
-        sq[path] = pergrad.sq_norm(u, cfg.norm_method)
+        sq[path] = pergrad.sq_norm(u, cfg.norm_method, cfg.norm_kernel)
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
     port_ct = {index: jnp.stack([coef[:, plan.group_of[path]] for _, path in by_index[index].param_paths], axis=1)
                for index in ports}
     clipped, _, _ = pullback((ones, port_ct))
-    extra = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]]) for path, u in shared_uses.items()}
+    extra = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]], cfg.norm_kernel)
+             for path, u in shared_uses.items()}
     if extra:
         extra_tree = _assemble(params, extra)
         clipped = jax.tree.map(jnp.add, clipped, extra_tree)
@@ -340,7 +348,7 @@ def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     keep = mask.astype(jnp.float32)
 
     def forward(params, sinks):
-        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method)
+        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method, cfg.norm_kernel)
         with tape_lib.active(fused):
             return loss_fn(params, batch)
 
@@ -441,7 +449,7 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
 
     def private_grad(params, batch, key, mask=None):
         plan = make_plan(loss_fn, cfg, params, batch, require_supported=cfg.mode != "vmap")
-        concrete = choose_mode(cfg, plan)
+        concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
         mask = _check_mask(mask, plan.batch_size)
         result = MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask)
         divisor = cfg.expected_batch_size or plan.batch_size
@@ -461,15 +469,17 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
 
 
 def per_example_grad_norms(loss_fn: Callable, params, batch, *, norm_method: str = "mixed",
-                           mode: str = "bk") -> Array:
+                           mode: str = "bk", norm_kernel: str = "auto") -> Array:
     """``[B]`` exact L2 norms of the per-example gradients over all parameters (no clipping, no noise).
 
     ``mode="bk"`` uses the layer rules (fails on parameters outside supported layers); ``mode="vmap"`` computes
-    per-example gradients.
+    per-example gradients. ``norm_kernel``: as in :class:`DPConfig`.
     """
     if mode not in ("bk", "ghost", "vmap"):
         raise ValueError(f"per_example_grad_norms: mode must be 'bk', 'ghost' or 'vmap', got {mode!r}")
-    cfg = DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method=norm_method)
+    cfg = DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method=norm_method,
+                   norm_kernel=norm_kernel)
+    cfg = cfg.replace(norm_kernel=ghost_norm.resolve(norm_kernel))
     plan = make_plan(loss_fn, cfg, params, batch, require_supported=mode != "vmap")
     mask = jnp.ones((plan.batch_size,), bool)
     return MODES[mode](loss_fn, cfg, plan, params, batch, mask).norms[:, 0]

@@ -136,7 +136,7 @@ class CaptureTape(_Tape):
         return self._capture(index, rule, spec, params, x)
 
 
-def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
+def _ghost_layer(rule, spec, names, method, kernel, trainable, frozen, x, sink):
     """``(y, port)``; backward: ``sink`` cotangent = per-parameter squared norms ``[B, P]``, parameter cotangents =
     ``sum_i port_ct[i, j] * grad_i`` for parameter ``names[j]``."""
 
@@ -151,8 +151,8 @@ def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
         g, coef = cotangents
         params = {**frozen, **trainable}
         uses = rule.per_example_grads(params, x, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
-        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j]).astype(trainable[n].dtype)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
         return grads, None, _input_grad(rule, spec, params, x, g), sq
 
@@ -162,10 +162,11 @@ def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
 
 
 class GhostTape(CaptureTape):
-    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str):
+    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str, kernel: str = "xla"):
         super().__init__(leaf_paths, probes)
         self.sinks = sinks
         self.method = method
+        self.kernel = kernel
         self.ports: dict[int, jax.Array] = {}
 
     def call(self, rule, spec, params, x):
@@ -175,7 +176,8 @@ class GhostTape(CaptureTape):
         if index not in self.sinks:
             return rule.apply(params, x, spec)
         trainable, frozen, _ = self._split(params)
-        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, trainable, frozen, x, self.sinks[index])
+        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, self.kernel, trainable, frozen, x,
+                               self.sinks[index])
         self.ports[index] = port
         return y
 
@@ -193,7 +195,7 @@ class LocalClip:
     coefficients: Callable
 
 
-def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, x, sink, keep):
+def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, trainable, frozen, x, sink, keep):
     def forward(trainable, frozen, x, sink, keep):
         return rule.apply({**frozen, **trainable}, x, spec)
 
@@ -204,12 +206,12 @@ def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, 
         trainable, frozen, x, keep = residuals
         params = {**frozen, **trainable}
         uses = rule.per_example_grads(params, x, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
         group_of = jnp.asarray(clip.group_of)
         n_local = len(clip.thresholds)
         group_sq = jnp.zeros((sq.shape[0], n_local), jnp.float32).at[:, group_of].add(sq)
         coef = clip.coefficients(jnp.sqrt(group_sq), jnp.asarray(clip.thresholds, jnp.float32), keep)
-        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]]).astype(trainable[n].dtype)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
         return grads, None, _input_grad(rule, spec, params, x, g), sq, None
 
@@ -219,14 +221,15 @@ def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, 
 
 
 class FusedTape(_Tape):
-    def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method):
+    def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method,
+                 kernel: str = "xla"):
         super().__init__(leaf_paths)
-        self.sinks, self.clips, self.keep, self.method = sinks, clips, keep, method
+        self.sinks, self.clips, self.keep, self.method, self.kernel = sinks, clips, keep, method, kernel
 
     def call(self, rule, spec, params, x):
         index = self._next()
         if index not in self.sinks:
             return rule.apply(params, x, spec)
         trainable, frozen, _ = self._split(params)
-        return _fused_layer(rule, spec, tuple(trainable), self.method, self.clips[index], trainable, frozen, x,
-                            self.sinks[index], self.keep)
+        return _fused_layer(rule, spec, tuple(trainable), self.method, self.kernel, self.clips[index], trainable,
+                            frozen, x, self.sinks[index], self.keep)
