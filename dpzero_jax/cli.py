@@ -118,6 +118,8 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--clip-fn", choices=("abadi", "automatic", "global"))
     train.add_argument("--groups", type=_groups, help="all-layer, layer-wise, param-wise or uniform:K")
     train.add_argument("--mode", choices=MODES)
+    train.add_argument("--norm-kernel", choices=("auto", "xla", "pallas"),
+                       help="per-example norms with XLA einsums or the tiled Pallas kernels (auto: xla for now)")
     train.add_argument("--lr", type=_positive_float("--lr"))
     train.add_argument("--optimizer", choices=("adam", "sgd", "adamw"))
     train.add_argument("--weight-decay", type=_positive_float("--weight-decay", allow_zero=True))

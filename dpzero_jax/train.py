@@ -84,6 +84,7 @@ class TrainConfig:
     clip_fn: str = "abadi"
     groups: Any = "all-layer"
     mode: str = "auto"
+    norm_kernel: str = "auto"
     lr: float = 1e-2
     optimizer: str = "adam"
     weight_decay: float = 1e-4
@@ -155,7 +156,7 @@ class TrainConfig:
             fail("noise_multiplier", "a finite number >= 0 or None", self.noise_multiplier)
         # the DP-specific fields are checked by DPConfig itself (groups, mode, ...)
         DPConfig(max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn, groups=self.groups, mode=self.mode,
-                 microbatch_size=self.micro_batch_size)
+                 microbatch_size=self.micro_batch_size, norm_kernel=self.norm_kernel)
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -323,7 +324,8 @@ class Trainer:
         else:
             dp_cfg = DPConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=cfg.max_grad_norm,
                               clip_fn=cfg.clip_fn, groups=cfg.groups, mode=cfg.mode,
-                              expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size)
+                              expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
+                              norm_kernel=cfg.norm_kernel)
             private = private_value_and_grad(loss_fn, dp_cfg)
 
             def gradient(params, batch, key, mask):
