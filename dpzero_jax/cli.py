@@ -82,6 +82,16 @@ def _groups(text: str):
         f"--groups must be all-layer, layer-wise, param-wise or uniform:K, got {text!r}")
 
 
+def _mesh(text: str) -> str:
+    from dpzero_jax.sharding import parse_mesh
+
+    try:
+        parse_mesh(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--mesh: {error}") from None
+    return text
+
+
 def _hidden(text: str):
     try:
         widths = tuple(int(w) for w in text.split(","))
@@ -133,7 +143,12 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--sampling", choices=("poisson", "fixed-size", "shuffled"),
                        help="poisson (default), fixed-size (needs --accountant rdp) or shuffled (no formal guarantee)")
     train.add_argument("--devices", type=_positive_int("--devices"),
-                       help="data-parallel over N devices (N virtual CPU devices when there is no accelerator)")
+                       help="train over N devices, ZeRO-sharded (N virtual CPU devices without an accelerator)")
+    train.add_argument("--mesh", type=_mesh, help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
+    train.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default 3)")
+    train.add_argument("--strategy", choices=("gspmd",), help="gspmd: one jit with shardings (default)")
+    train.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                       help="compute precision; fp32 master weights, norms and noise; no loss scaling")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -191,12 +206,17 @@ def _train(args) -> str:
     if "epochs" in options:
         values["steps"] = None
     values.update(options)
-    if values.get("devices"):  # virtual CPU devices must be requested before JAX's first operation
+    wanted = values.get("devices")
+    if values.get("mesh"):
+        from dpzero_jax.sharding import parse_mesh
+
+        wanted = parse_mesh(values["mesh"]).size
+    if wanted:  # virtual CPU devices must be requested before JAX's first operation
         import jax
 
         try:
-            if jax.config.jax_num_cpu_devices < int(values["devices"]):
-                jax.config.update("jax_num_cpu_devices", int(values["devices"]))
+            if jax.config.jax_num_cpu_devices < int(wanted):
+                jax.config.update("jax_num_cpu_devices", int(wanted))
         except (RuntimeError, TypeError, ValueError):
             pass  # already started, or a bad value: TrainConfig reports it
     result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dpzero_jax.clipping import CLIP_FUNCTIONS, validate_groups
+from dpzero_jax.noise import NOISE_RNGS
 from dpzero_jax.pergrad import NORM_METHODS
 from kernels.ghost_norm import NORM_KERNELS
 
@@ -36,6 +37,10 @@ class DPConfig:
     expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
     microbatch_size: examples per chunk in ``vmap`` and ``bk`` modes (``None``: the whole batch at once).
     gamma: the stability constant of automatic clipping.
+    noise_rng: ``"blocked"`` (default: XLA's fused bit generator, block by block in place; fastest on one device)
+        or ``"partitionable"`` (``jax.random``'s partitionable Threefry: every coordinate's noise depends only on the
+        key and its global index, so a sharded gradient is noised shard by shard, on its owner, and the noise is the
+        same on any number of devices). See :mod:`dpzero_jax.noise`.
     group_thresholds: explicit ``(R_1..R_M)`` instead of ``R / sqrt(M)``.
     """
 
@@ -49,6 +54,7 @@ class DPConfig:
     expected_batch_size: float | None = None
     microbatch_size: int | None = None
     gamma: float = 0.01
+    noise_rng: str = "blocked"
     group_thresholds: Sequence[float] | None = None
 
     def __post_init__(self):
@@ -67,6 +73,8 @@ class DPConfig:
             raise ValueError(f"DPConfig.mode={self.mode!r}: expected one of {MODES}")
         if self.norm_method not in NORM_METHODS:
             raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {NORM_METHODS}")
+        if self.noise_rng not in NOISE_RNGS:
+            raise ValueError(f"DPConfig.noise_rng={self.noise_rng!r}: expected one of {NOISE_RNGS}")
         if self.norm_kernel not in NORM_KERNELS:
             raise ValueError(f"DPConfig.norm_kernel={self.norm_kernel!r}: expected one of {NORM_KERNELS} "
                              "('pallas' runs the tiled Pallas kernels of kernels.ghost_norm)")

@@ -455,7 +455,7 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
         divisor = cfg.expected_batch_size or plan.batch_size
         if cfg.noise_multiplier > 0:
             std = noise.noise_std(cfg.noise_multiplier, plan.thresholds)
-            grads = noise.add_noise_and_normalise(result.clipped_sum, key, std, divisor)
+            grads = noise.add_noise_and_normalise(result.clipped_sum, key, std, divisor, cfg.noise_rng)
         else:
             grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / divisor).astype(g.dtype), result.clipped_sum)
         nonfinite = jnp.logical_and(mask, jnp.logical_not(jnp.logical_and(

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, models
+from dpzero_jax import accounting, models, sharding
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
@@ -44,9 +44,11 @@ from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs
 
 MODELS = ("mlp", "vit")
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
+STRATEGIES = ("gspmd",)
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "devices")
+                     "devices", "mesh", "zero", "strategy")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 CLIP_FNS = ("abadi", "automatic", "global")
 
@@ -65,8 +67,14 @@ class TrainConfig:
     examples without replacement; replace-one adjacency, ``accountant="rdp"`` required) or "shuffled" (epochs of a
     permutation: NO formal guarantee, epsilon is not reported; sigma is calibrated as if Poisson).
     ``eval_every``: test-set evaluation every that many steps (0: only at the end).
-    ``devices``: split each batch over that many devices (data parallel; on a CPU-only machine, virtual CPU
-    devices, which must be requested before JAX starts -- the CLI does this); None: one device.
+    ``devices`` / ``mesh``: train over a ``("data", "fsdp")`` device mesh (:mod:`dpzero_jax.sharding`): ``mesh``
+    as ``"data=2,fsdp=4"``; ``devices=N`` alone means ``data=1,fsdp=N``. On a CPU-only machine these are virtual
+    CPU devices, which must be requested before JAX starts (the CLI does this). None: one device, no mesh.
+    ``zero``: ZeRO stage 1, 2 or 3 (what is sharded over ``fsdp``); ``strategy``: ``"gspmd"`` (one ``jax.jit``
+    with shardings; XLA inserts the collectives).
+    ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute (inputs cast; layers compute in their input's
+    dtype with the fp32 master weights cast at use); norms, clip factors, the clipped sum, the noise and the
+    optimizer stay fp32, and there is no loss scaling.
     """
 
     model: str = "mlp"
@@ -96,6 +104,10 @@ class TrainConfig:
     sampling: str = "poisson"
     eval_every: int = 50
     devices: int | None = None
+    mesh: str | None = None
+    zero: int = 3
+    strategy: str = "gspmd"
+    precision: str = "fp32"
     no_dp: bool = False
     progress: bool = True
     plot: bool = True
@@ -143,6 +155,17 @@ class TrainConfig:
             fail("steps", "an integer >= 1 or None", self.steps)
         if self.devices is not None and (not is_int(self.devices) or self.devices < 1):
             fail("devices", "an integer >= 1 or None", self.devices)
+        if self.mesh is not None:
+            shape = sharding.parse_mesh(self.mesh)
+            if self.devices is not None and self.devices != shape.size:
+                raise ValueError(f"TrainConfig.devices={self.devices} does not match mesh {self.mesh!r} "
+                                 f"({shape.size} devices)")
+        if self.zero not in sharding.ZERO_STAGES:
+            fail("zero", f"one of {sharding.ZERO_STAGES}", self.zero)
+        if self.strategy not in STRATEGIES:
+            fail("strategy", f"one of {STRATEGIES}", self.strategy)
+        if self.precision not in PRECISIONS:
+            fail("precision", f"one of {tuple(PRECISIONS)}", self.precision)
         if self.micro_batch_size is not None and (not is_int(self.micro_batch_size) or self.micro_batch_size < 1):
             fail("micro_batch_size", "an integer >= 1 or None", self.micro_batch_size)
         for name in ("epochs", "epsilon", "max_grad_norm", "lr"):
@@ -191,6 +214,7 @@ class TrainResult:
     out: str
     sampling: str = "poisson"
     params: Any = dataclasses.field(repr=False, default=None)
+    opt_state: Any = dataclasses.field(repr=False, default=None)
     history: list = dataclasses.field(repr=False, default_factory=list)
 
     def summary(self) -> str:
@@ -216,21 +240,22 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs) -> nnx.Module:
                                        num_classes=num_classes), rngs=rngs)
 
 
-def _make_mesh(devices: int | None):
-    """A 1-D ``data`` mesh over ``devices`` devices (None: no mesh, one device)."""
-    if devices is None:
+def _make_mesh(cfg: TrainConfig):
+    """The ``("data", "fsdp")`` mesh of ``cfg`` (None: one device, no mesh)."""
+    if cfg.mesh is None and cfg.devices is None:
         return None
+    shape = sharding.parse_mesh(cfg.mesh) if cfg.mesh is not None else sharding.MeshShape(data=1, fsdp=cfg.devices)
     try:  # only possible before JAX's first operation; the CLI calls this early
-        if jax.config.jax_num_cpu_devices < devices:
-            jax.config.update("jax_num_cpu_devices", devices)
+        if jax.config.jax_num_cpu_devices < shape.size:
+            jax.config.update("jax_num_cpu_devices", shape.size)
     except RuntimeError:
         pass
     available = jax.devices()
-    if devices > len(available):
-        raise ValueError(f"devices={devices} but only {len(available)} {available[0].platform} device(s) exist; "
+    if shape.size > len(available):
+        raise ValueError(f"devices={shape.size} but only {len(available)} {available[0].platform} device(s) exist; "
                          f"on a CPU, request virtual devices before JAX starts (the dpzero CLI does; in Python call "
-                         f"jax.config.update('jax_num_cpu_devices', {devices}) right after importing jax)")
-    return jax.sharding.Mesh(np.asarray(available[:devices]), ("data",))
+                         f"jax.config.update('jax_num_cpu_devices', {shape.size}) right after importing jax)")
+    return sharding.make_mesh(shape, available)
 
 
 def _make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -253,7 +278,8 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.out = Path(cfg.out)
-        self.mesh = _make_mesh(cfg.devices)
+        self.mesh = _make_mesh(cfg)
+        self.rules = None if self.mesh is None else sharding.ShardingRules(self.mesh, cfg.zero)
         self.train_data, self.test_data = load_dataset(cfg.dataset, seed=0)
         n = self.train_data["label"].shape[0]
         if cfg.batch_size > n:
@@ -325,47 +351,69 @@ class Trainer:
             dp_cfg = DPConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=cfg.max_grad_norm,
                               clip_fn=cfg.clip_fn, groups=cfg.groups, mode=cfg.mode,
                               expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
-                              norm_kernel=cfg.norm_kernel)
+                              norm_kernel=cfg.norm_kernel, noise_rng="partitionable")
             private = private_value_and_grad(loss_fn, dp_cfg)
 
             def gradient(params, batch, key, mask):
                 losses, grads, _ = private(params, batch, key, mask)
                 return losses, grads
 
+        compute_dtype = PRECISIONS[cfg.precision]
+        grad_shardings = None if self.rules is None else self.rules.grads(self.init_params)
+
         def step(params, opt_state, batch, noise_key, mask):
+            batch = {**batch, "image": batch["image"].astype(compute_dtype)}
             losses, grads = gradient(params, batch, noise_key, mask)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # fp32 master gradient
+            if grad_shardings is not None:  # the ZeRO stage's gradient layout (reduce-scatter to the owners)
+                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             w = mask.astype(jnp.float32)
             count = jnp.maximum(jnp.sum(w), 1.0)
-            loss = jnp.sum(jnp.where(mask, losses, 0.0)) / count
+            loss = jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / count
             correct = jnp.argmax(apply_fn(params, batch["image"]), -1) == batch["label"]  # after the update
             return params, opt_state, loss, jnp.sum(correct * w) / count
 
         def evaluate(params, images, labels):
-            logits = apply_fn(params, images).astype(jnp.float32)
+            logits = apply_fn(params, images.astype(compute_dtype)).astype(jnp.float32)
             loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
             return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
 
-        if self.mesh is None:
+        if self.rules is None:
             self._step = jax.jit(step, donate_argnums=(0, 1))
-        else:  # data parallel: batch split over the devices, parameters and optimizer state replicated
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            split = NamedSharding(self.mesh, PartitionSpec("data"))
+        else:  # GSPMD: one jit with the ZeRO stage's shardings; XLA inserts all-gathers and reduce-scatters
+            rules = self.rules
+            opt_shape = jax.eval_shape(tx.init, self.init_params)
+            batch_shape = {k: v[:1] for k, v in self.train_data.items()}
+            self._param_shardings = rules.params(self.init_params)
+            self._opt_shardings = rules.opt_state(opt_shape)
             self._step = jax.jit(step, donate_argnums=(0, 1),
-                                 in_shardings=(replicated, replicated, split, replicated, split),
-                                 out_shardings=replicated)
+                                 in_shardings=(self._param_shardings, self._opt_shardings, rules.batch(batch_shape),
+                                               rules.replicated, rules.batch(0)),
+                                 out_shardings=(self._param_shardings, self._opt_shardings, rules.replicated,
+                                                rules.replicated))
         self._evaluate = jax.jit(evaluate)
 
-    def _place(self, tree):
-        """Fresh device copies (the step donates its inputs), replicated over the mesh if there is one."""
-        if self.mesh is None:
-            return jax.tree.map(jnp.array, tree)
-        from jax.sharding import NamedSharding, PartitionSpec
+    def _place(self, params, opt_state):
+        """Fresh device copies (the step donates its inputs), laid out as the ZeRO stage says if there is a mesh."""
+        if self.rules is None:
+            return jax.tree.map(jnp.array, params), jax.tree.map(jnp.array, opt_state)
+        return (jax.device_put(jax.tree.map(np.asarray, params), self._param_shardings),
+                jax.device_put(jax.tree.map(np.asarray, opt_state), self._opt_shardings))
 
-        return jax.device_put(jax.tree.map(np.asarray, tree), NamedSharding(self.mesh, PartitionSpec()))
+    def lower_step(self):
+        """The jitted training step lowered on abstract arguments of the real shapes and shardings (inspect its
+        HLO, collectives or ``.compile().memory_analysis()``; nothing runs)."""
+        params, opt_state = self.init_params, jax.eval_shape(self.tx.init, self.init_params)
+        if self.rules is not None:
+            params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params,
+                                  self._param_shardings)
+            opt_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), opt_state,
+                                     self._opt_shardings)
+        batch = {k: jax.ShapeDtypeStruct((self.slots,) + v.shape[1:], v.dtype) for k, v in self.train_data.items()}
+        mask = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)
+        return self._step.lower(params, opt_state, batch, self.step_keys(0)[1], mask)
 
     def step_keys(self, step: int):
         """``(sample_key, noise_key)`` of step ``step``: a pure function of (seed, step)."""
@@ -507,7 +555,7 @@ class Trainer:
         elif (self.out / "checkpoints").exists() and any((self.out / "checkpoints").iterdir()):
             raise FileExistsError(f"{self.out / 'checkpoints'} already holds checkpoints; use resume=True "
                                   f"(--resume) or another output directory (--out)")
-        params, opt_state = self._place(params), self._place(opt_state)
+        params, opt_state = self._place(params, opt_state)
         end = self.steps if stop_at is None else min(self.steps, stop_at)
 
         metrics_path = self.out / "metrics.jsonl"
@@ -562,8 +610,10 @@ class Trainer:
                              test_loss=float(test_loss), epsilon=self._epsilon(ledger), delta=cfg.delta,
                              steps=end, noise_multiplier=self.noise_multiplier,
                              sampling_rate=self.sampling_rate, runtime_s=time.perf_counter() - start_time,
-                             out=str(self.out), sampling=cfg.sampling, params=params, history=history)
-        summary = {k: v for k, v in dataclasses.asdict(result).items() if k not in ("params", "history")}
+                             out=str(self.out), sampling=cfg.sampling, params=params, opt_state=opt_state,
+                             history=history)
+        summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
+                   if f.name not in ("params", "opt_state", "history")}
         summary["ledger"] = ledger.to_dict()
         (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
         if cfg.plot and history:
