@@ -310,3 +310,40 @@ def test_bad_models():
         dz.peft.apply(_abstract_gpt2(True), "linear-probe")
     with pytest.raises(ValueError, match="BiTFiT needs bias parameters"):
         dz.peft.apply(nnx.eval_shape(lambda: NoBias(rngs=nnx.Rngs(0))), "bitfit")
+
+
+class WideThenWide(nnx.Module):
+    """``exp(x) [B, T, 256] -> 8 -> 256 (tanh) -> 4``: the backward's peak holds two ``[B, T, 256]`` arrays; a kept
+    input of the first layer would be a third."""
+
+    def __init__(self, *, rngs):
+        self.dense = dz.nn.Linear(256, 8, rngs=rngs)
+        self.up = dz.nn.Linear(8, 256, rngs=rngs)
+        self.head = dz.nn.Linear(256, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.mean(self.head(jnp.tanh(self.up(self.dense(jnp.exp(x))))), axis=1)
+
+
+def test_bitfit_compiled_memory_is_non_dp_memory():
+    """Compiled scratch memory of the private gradient with BiTFiT in bk, ghost and fused mode stays at that of the
+    non-private gradient of the same loss (no activation kept for the norms); with every parameter trainable,
+    ghost holds the wide input for the backward, one activation more."""
+    batch = {"x": jnp.zeros((4, 64, 256)), "label": jnp.zeros((4,), jnp.int32)}
+    activation = 4 * 64 * 256 * 4
+
+    def temp_bytes(method, mode=None):
+        model = WideThenWide(rngs=nnx.Rngs(0))
+        params, loss_fn = dz.models.classification_objective(model, "x", trainable=dz.peft.apply(model, method)[1])
+        if mode is None:
+            fn, args = jax.grad(lambda p, b: jnp.mean(loss_fn(p, b))), (params, batch)
+        else:
+            cfg = dz.DPConfig(noise_multiplier=1.0, mode=mode, groups="layer-wise")
+            fn, args = dz.private_value_and_grad(loss_fn, cfg), (params, batch, jax.random.key(0))
+        return ref.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    non_dp = temp_bytes("bitfit")
+    assert non_dp >= 2 * activation
+    for mode in ("bk", "ghost", "fused"):
+        assert temp_bytes("bitfit", mode) < non_dp + activation / 4, mode
+    assert temp_bytes("full", "ghost") >= temp_bytes("full") + activation * 3 / 4
