@@ -211,8 +211,12 @@ def _keep(losses, mask):
 # ----------------------------------------------------------------------------------------------------------------
 # The modes.
 
-def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask):
-    """Book-keeping on one (micro)batch: ``(losses [b], {path: clipped sum}, norms [b, M], coef [b, M])``."""
+def bk_forward(loss_fn, plan: Plan, params, leaf_ids, batch):
+    """The book-keeping forward on one (micro)batch: ``(losses [b], pullback, calls)``.
+
+    ``pullback`` maps a loss cotangent to the output gradients of the trainable layer calls (its residuals and
+    ``calls[index] = (layer input or None, layer params)`` are everything book-keeping keeps from the forward).
+    """
     size = _batch_size(batch)
     probes = {r.index: jnp.zeros((size,) + r.output_shape[1:], r.output_dtype) for r in plan.records}
 
@@ -222,7 +226,13 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask)
             losses = loss_fn(params, batch)
         return losses, capture.calls
 
-    losses, pullback, calls = jax.vjp(forward, probes, has_aux=True)
+    return jax.vjp(forward, probes, has_aux=True)
+
+
+def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask):
+    """Book-keeping on one (micro)batch: ``(losses [b], {path: clipped sum}, norms [b, M], coef [b, M])``."""
+    size = _batch_size(batch)
+    losses, pullback, calls = bk_forward(loss_fn, plan, params, leaf_ids, batch)
     (output_grads,) = pullback(jnp.ones_like(losses))
     uses = _per_example_uses(plan, calls, output_grads, plan.uses)
     kernel = cfg.norm_kernel

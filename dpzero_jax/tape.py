@@ -12,7 +12,8 @@ the layer *is* (by identity) a leaf of the ``params`` being differentiated.
   layer with zero stand-ins for trainable parameters, so that any remaining use of a parameter in the jaxpr is a
   use outside the supported layers.
 * :class:`CaptureTape` (book-keeping): adds a zero probe to each layer output, whose cotangent is the output
-  gradient ``g``, and keeps the layer input ``x`` as auxiliary output. Parameters are not differentiated.
+  gradient ``g``, and keeps the layer input ``x`` as auxiliary output -- unless the call's trainable parameters
+  do not need it (only a bias trainable: ``rule.input_free``). Parameters are not differentiated.
 * :class:`GhostTape`: a ``custom_vjp`` per layer whose backward writes the per-parameter squared norms into the
   cotangent of a ``[B, P]`` *sink* input and, through the cotangent of a ``[B, P]`` *port* output, receives the
   clip coefficients with which it forms the clipped weight gradient. Calls whose parameters are shared with
@@ -32,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dpzero_jax import pergrad
+from dpzero_jax import pergrad, rules
 
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("dpzero_active_tape", default=None)
 
@@ -126,7 +127,9 @@ class CaptureTape(_Tape):
         held = {name: jax.lax.stop_gradient(v) for name, v in trainable.items()}
         layer_params = {**frozen, **held}
         y = rule.apply(layer_params, x, spec)
-        self.calls[index] = (x, layer_params)
+        # The input is kept only if a trainable parameter's per-example gradient needs it: a layer whose only
+        # trainable parameter is its bias (BiTFiT) keeps its output gradient alone.
+        self.calls[index] = (x if rules.needs_input(rule, trainable) else None, layer_params)
         return y + self.probes[index].astype(y.dtype)
 
     def call(self, rule, spec, params, x):
