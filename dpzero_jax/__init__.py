@@ -1,6 +1,6 @@
 """dpzero_jax: differentially private training in JAX at almost the cost of non-private training."""
 
-from dpzero_jax import accounting, clipping, models, nn, noise, ops, peft, pergrad, rules, sampling, train
+from dpzero_jax import accounting, clipping, models, nn, noise, ops, peft, pergrad, planner, rules, sampling, sharding, train
 from dpzero_jax.config import DPConfig
 from dpzero_jax.engine import (
     DPStats,
@@ -15,6 +15,6 @@ from dpzero_jax.engine import (
 __all__ = [
     "DPConfig", "DPStats", "UnsupportedParameterError", "autotune", "choose_mode", "make_plan",
     "per_example_grad_norms", "private_value_and_grad", "accounting", "clipping", "models", "nn", "noise", "ops",
-    "peft", "pergrad", "rules", "sampling", "train",
+    "peft", "pergrad", "planner", "rules", "sampling", "sharding", "train",
 ]
 __version__ = "0.1.0"
