@@ -1,6 +1,20 @@
 """dpzero_jax: differentially private training in JAX at almost the cost of non-private training."""
 
-from dpzero_jax import accounting, clipping, models, nn, noise, ops, peft, pergrad, planner, rules, sampling, sharding, train
+from dpzero_jax import (
+    accounting,
+    clipping,
+    models,
+    nn,
+    noise,
+    ops,
+    peft,
+    pergrad,
+    planner,
+    rules,
+    sampling,
+    sharding,
+    train,
+)
 from dpzero_jax.config import DPConfig
 from dpzero_jax.engine import (
     DPStats,

@@ -13,6 +13,8 @@ import argparse
 import math
 import sys
 
+from dpzero_jax import planner
+
 
 def _positive_float(flag: str, allow_zero: bool = False):
     def parse(text: str) -> float:
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     privacy.add_argument("--delta", type=_unit_interval("--delta", closed_right=False), default=1e-5)
     privacy.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
     _add_train_parser(commands)
+    planner.add_parser(commands)
     return parser
 
 
@@ -90,6 +93,17 @@ def _mesh(text: str) -> str:
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"--mesh: {error}") from None
     return text
+
+
+def _patterns(flag: str):
+    def parse(text: str) -> tuple[str, ...]:
+        if text.strip().lower() == "none":
+            return ()
+        items = tuple(item.strip() for item in text.split(","))
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"{flag}: expected comma-separated path patterns, got {text!r}")
+        return items
+    return parse
 
 
 def _hidden(text: str):
@@ -149,6 +163,15 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--strategy", choices=("gspmd",), help="gspmd: one jit with shardings (default)")
     train.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
                        help="compute precision; fp32 master weights, norms and noise; no loss scaling")
+    train.add_argument("--peft", choices=("none", "lora", "bitfit", "linear-probe"),
+                       help="parameter-efficient fine-tuning: which parameters train (default none: all)")
+    train.add_argument("--lora-rank", type=_positive_int("--lora-rank"), help="LoRA rank (default 8)")
+    train.add_argument("--lora-alpha", type=_positive_float("--lora-alpha"), help="LoRA alpha (default 16)")
+    train.add_argument("--lora-targets", type=_patterns("--lora-targets"),
+                       help="comma-separated path patterns of the dense layers that get adapters")
+    train.add_argument("--peft-also-train", type=_patterns("--peft-also-train"),
+                       help="comma-separated patterns trained in full besides the PEFT method's (default: head for "
+                            "lora/bitfit); 'none' for nothing")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -230,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_privacy(args))
         elif args.command == "train":
             print(_train(args))
+        elif args.command == "plan":
+            print(planner.run(args))
     except (ValueError, FileExistsError, RuntimeError) as error:
         print(f"dpzero {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, models, sharding
+from dpzero_jax import accounting, models, peft, sharding
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
@@ -44,6 +44,7 @@ from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs
 
 MODELS = ("mlp", "vit")
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
+PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")
 STRATEGIES = ("gspmd",)
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
@@ -75,6 +76,11 @@ class TrainConfig:
     ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute (inputs cast; layers compute in their input's
     dtype with the fp32 master weights cast at use); norms, clip factors, the clipped sum, the noise and the
     optimizer stay fp32, and there is no loss scaling.
+    ``peft``: "none" (every parameter trains), "lora", "bitfit" or "linear-probe" (:mod:`dpzero_jax.peft`);
+    ``lora_rank`` / ``lora_alpha`` / ``lora_targets`` (path patterns; None: every dense layer except the head);
+    ``peft_also_train``: patterns of parameters trained in full besides the method's (None: ``("head",)`` for LoRA
+    and BiTFiT, whose task head is new; ``()`` trains nothing more). Frozen parameters get no norm computation, no
+    gradient and no optimizer state; under a mesh they are replicated constants of the compiled step.
     """
 
     model: str = "mlp"
@@ -108,6 +114,11 @@ class TrainConfig:
     zero: int = 3
     strategy: str = "gspmd"
     precision: str = "fp32"
+    peft: str = "none"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] | None = None
+    peft_also_train: tuple[str, ...] | None = None
     no_dp: bool = False
     progress: bool = True
     plot: bool = True
@@ -166,6 +177,22 @@ class TrainConfig:
             fail("strategy", f"one of {STRATEGIES}", self.strategy)
         if self.precision not in PRECISIONS:
             fail("precision", f"one of {tuple(PRECISIONS)}", self.precision)
+        if self.peft not in PEFT_METHODS:
+            fail("peft", f"one of {PEFT_METHODS}", self.peft)
+        if not is_int(self.lora_rank) or self.lora_rank < 1:
+            fail("lora_rank", "an integer >= 1", self.lora_rank)
+        if not is_num(self.lora_alpha) or self.lora_alpha <= 0:
+            fail("lora_alpha", "a finite number > 0", self.lora_alpha)
+        for name in ("lora_targets", "peft_also_train"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            if value is not None:
+                if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+                    fail(name, "a tuple of path patterns or None", getattr(self, name))
+                object.__setattr__(self, name, tuple(value))
+        if self.lora_targets is not None and self.peft != "lora":
+            raise ValueError(f"TrainConfig.lora_targets applies to peft='lora' only, not peft={self.peft!r}")
         if self.micro_batch_size is not None and (not is_int(self.micro_batch_size) or self.micro_batch_size < 1):
             fail("micro_batch_size", "an integer >= 1 or None", self.micro_batch_size)
         for name in ("epochs", "epsilon", "max_grad_norm", "lr"):
@@ -238,6 +265,18 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs) -> nnx.Module:
     return models.ViT(models.ViTConfig(image_size=size, patch_size=2, num_channels=channels, hidden_size=64,
                                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                                        num_classes=num_classes), rngs=rngs)
+
+
+def _apply_peft(cfg: TrainConfig, model: nnx.Module, key: jax.Array):
+    """``(model, trainable filter)`` for ``cfg.peft`` (LoRA adapters drawn from ``key``)."""
+    if cfg.peft == "none":
+        return peft.apply(model, "full")
+    also_train = cfg.peft_also_train
+    if also_train is None:
+        also_train = ("head",) if cfg.peft in ("lora", "bitfit") else ()
+    options = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets, "key": key} \
+        if cfg.peft == "lora" else {}
+    return peft.apply(model, cfg.peft, also_train=also_train, **options)
 
 
 def _make_mesh(cfg: TrainConfig):
@@ -326,8 +365,10 @@ class Trainer:
                 absl_logger.setLevel(level)
 
         model = _make_model(cfg, self.train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)))
-        self.init_params, loss_fn = models.classification_objective(model)
-        _, apply_fn = models.logits_fn(model)
+        model, trainable = _apply_peft(cfg, model, jax.random.fold_in(root, 3))
+        self.trainable = trainable
+        self.init_params, loss_fn = models.classification_objective(model, trainable=trainable)
+        _, apply_fn = models.logits_fn(model, trainable=trainable)
         self.tx = _make_optimizer(cfg)
         self._build_step(loss_fn, apply_fn)
 

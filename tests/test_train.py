@@ -208,3 +208,30 @@ def test_cli_devices_and_sampling_flags(tmp_path, capsys):
     assert saved["config"]["devices"] == 2 and saved["ledger"]["events"][0]["sampling"] == "fixed-size"
     assert main(["train", "--sampling", "fixed-size", "--out", str(tmp_path / "o")]) == 2
     assert "accountant must be 'rdp'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, trained", [("linear-probe", {"head/bias", "head/kernel"}),
+                                             ("bitfit", {"layers/0/bias", "head/bias", "head/kernel"})])
+def test_peft_trains_only_the_selected_parameters(tmp_path, method, trained):
+    """PEFT through the trainer: the parameters it optimises are the method's (plus the new head for BiTFiT), the
+    frozen hidden kernel is untouched, and the private run still learns (above chance)."""
+    cfg = TrainConfig(out=str(tmp_path), peft=method, **{**TINY, "checkpoint_every": 0})
+    trainer = Trainer(cfg)
+    names = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+             for path, _ in jax.tree_util.tree_leaves_with_path(trainer.init_params)}
+    names = {name.removesuffix("/.value") for name in names}
+    assert names == trained
+    result = trainer.run()
+    assert result.test_accuracy > 0.3
+
+
+def test_peft_lora_through_the_cli(tmp_path, capsys):
+    assert main(["train", "--steps", "10", "--batch-size", "64", "--peft", "lora", "--lora-rank", "2",
+                 "--lora-targets", "layers/0", "--peft-also-train", "none", "--out", str(tmp_path),
+                 "--no-progress", "--checkpoint-every", "0"]) == 0
+    epsilon = float(capsys.readouterr().out.split("epsilon ")[1].split()[0])
+    assert 2.9 < epsilon <= 3.0
+    with pytest.raises(ValueError, match="lora_targets applies to peft='lora' only"):
+        TrainConfig(peft="bitfit", lora_targets=("head",))
+    with pytest.raises(ValueError, match="TrainConfig.peft must be"):
+        TrainConfig(peft="prefix")
