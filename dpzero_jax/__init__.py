@@ -7,11 +7,14 @@ from dpzero_jax import (
     nn,
     noise,
     ops,
+    peft,
     pergrad,
+    planner,
     rmm,
     rmm_diagnostics,
     rules,
     sampling,
+    sharding,
     sketch,
     train,
 )
@@ -29,6 +32,6 @@ from dpzero_jax.engine import (
 __all__ = [
     "DPConfig", "DPStats", "UnsupportedParameterError", "autotune", "choose_mode", "make_plan",
     "per_example_grad_norms", "private_value_and_grad", "accounting", "clipping", "models", "nn", "noise", "ops",
-    "pergrad", "rmm", "rmm_diagnostics", "rules", "sampling", "sketch", "train",
+    "peft", "pergrad", "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "train",
 ]
 __version__ = "0.1.0"

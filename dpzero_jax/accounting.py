@@ -18,10 +18,22 @@ Sampling scheme and adjacency
   contributions has sensitivity 2C, so the accountant is given ``noise_multiplier / 2``.  The PLD accountant does not
   support this event, so asking for ``accountant="pld"`` raises a ``ValueError`` (nothing is switched silently).
   Poisson and fixed-size events use different adjacency relations and cannot be mixed in one ledger.
+
+Truncated Poisson batches (static shapes)
+-----------------------------------------
+A jitted step has a fixed number of slots, so the trainer's Poisson sampler truncates a batch that exceeds its
+capacity (probability ``eta`` per step, typically ~1e-12).  The truncated mechanism differs from the exact Poisson
+mechanism by at most ``eta`` in total variation on every dataset, so ``T`` such steps that are ``(eps, delta0)``-DP
+when untruncated are ``(eps, delta0 + (1 + e^eps) * sum_t eta_t)``-DP.  A ledger entry may carry
+``truncation_probability`` (``eta``, computed for the larger of two neighbouring datasets); then
+:meth:`PrivacyLedger.epsilon` reports the smallest ``eps`` it can certify with ``delta0 = delta - (1 + e^eps) *
+sum eta`` (a fixed point, solved from below and verified).  Nothing is approximated silently: a truncation that
+actually happened is also listed in ``PrivacyLedger.overflowed_steps``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import numbers
@@ -91,11 +103,33 @@ def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str, 
     return float(acc.get_epsilon(delta))
 
 
-def epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float, accountant: str = "pld") -> float:
-    """Epsilon of ``steps`` Poisson-subsampled Gaussian steps at ``delta`` (add-or-remove-one adjacency)."""
+def _fixed_size_batch(sampling_rate: float, dataset_size: int | None) -> tuple[int, int]:
+    if dataset_size is None:
+        raise ValueError("dataset_size is required for sampling='fixed-size'")
+    n = _check_steps(dataset_size, "dataset_size")
+    m = round(sampling_rate * n)
+    if n == 0 or not math.isclose(m / n, sampling_rate, rel_tol=1e-9):
+        raise ValueError(f"sampling_rate={sampling_rate} times dataset_size={n} is not a whole batch size")
+    return n, m
+
+
+def epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float, accountant: str = "pld", *,
+            sampling: str = "poisson", dataset_size: int | None = None) -> float:
+    """Epsilon of ``steps`` subsampled Gaussian steps at ``delta``.
+
+    ``sampling="poisson"`` (default): add-or-remove-one adjacency.  ``sampling="fixed-size"``: batches of exactly
+    ``sampling_rate * dataset_size`` examples without replacement, replace-one adjacency, RDP only (module doc).
+    """
     sigma, q, steps, delta = _check_noise(noise_multiplier), _check_rate(sampling_rate), _check_steps(steps), \
         _check_delta(delta)
     _check_accountant(accountant)
+    if sampling == "fixed-size":
+        n, m = _fixed_size_batch(q, dataset_size)
+        ledger = PrivacyLedger()
+        ledger.record(sigma, steps=steps, sampling="fixed-size", dataset_size=n, batch_size=m)
+        return ledger.epsilon(delta, accountant)
+    if sampling != "poisson":
+        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     if steps == 0:
         return 0.0
     if sigma == 0:
@@ -104,35 +138,86 @@ def epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: fl
 
 
 def calibrate_noise(target_epsilon: float, sampling_rate: float, steps: int, delta: float, accountant: str = "pld",
-                    rtol: float = 5e-3) -> float:
+                    rtol: float = 5e-3, *, sampling: str = "poisson", dataset_size: int | None = None) -> float:
     """Smallest noise multiplier (to relative tolerance ``rtol``) whose epsilon is <= ``target_epsilon``.
 
     The returned value always satisfies the budget (it is the upper end of the final bisection bracket).
+    ``sampling`` / ``dataset_size`` as in :func:`epsilon`.
     """
     target = _check_target(target_epsilon)
     q, steps, delta = _check_rate(sampling_rate), _check_steps(steps), _check_delta(delta)
     _check_accountant(accountant)
+    return _calibrate(target, q, steps, delta, accountant, float(rtol), sampling, dataset_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrate(target: float, q: float, steps: int, delta: float, accountant: str, rtol: float, sampling: str,
+               dataset_size: int | None) -> float:
+    """:func:`calibrate_noise` on checked arguments (memoised: a pure function, and each PLD call is slow)."""
+    if sampling == "fixed-size":
+        _fixed_size_batch(q, dataset_size)
+        if accountant == "pld":
+            raise ValueError('fixed-size (without-replacement) sampling is not supported by the PLD accountant; '
+                             'use accountant="rdp"')
+    elif sampling != "poisson":
+        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     if steps == 0:
         return 0.0
 
     def eps(s: float) -> float:
-        return epsilon(s, q, steps, delta, accountant)
+        return epsilon(s, q, steps, delta, accountant, sampling=sampling, dataset_size=dataset_size)
 
     # RDP is cheap and (up to discretisation) never below PLD, so its answer is a good upper starting point for PLD.
     hi = calibrate_noise(target, q, steps, delta, "rdp", rtol=0.05) if accountant == "pld" else 1.0
-    while eps(hi) > target:
+    eps_hi = eps(hi)
+    while eps_hi > target:
         hi *= 2.0
         if hi > 1e6:
             raise ValueError(f"target_epsilon={target} is unreachable with noise_multiplier <= 1e6")
-    lo = hi / 2.0
-    while lo > 1e-3 and eps(lo) <= target:  # move lo down until it violates the budget
-        hi, lo = lo, lo / 2.0
-    while hi - lo > rtol * hi:  # invariant: eps(hi) <= target (eps(lo) > target unless lo hit the floor)
-        mid = math.sqrt(lo * hi)
-        if eps(mid) <= target:
-            hi = mid
+        eps_hi = eps(hi)
+    lo = hi * (0.8 if accountant == "pld" else 0.5)
+    eps_lo = eps(lo)
+    while lo > 1e-3 and eps_lo <= target:  # move lo down until it violates the budget
+        hi, eps_hi, lo = lo, eps_lo, lo / 2.0
+        eps_lo = eps(lo)
+    if eps_lo <= target:
+        return hi
+    return _shrink_bracket(eps, target, lo, eps_lo, hi, eps_hi, rtol)
+
+
+def _shrink_bracket(eps, target: float, lo: float, eps_lo: float, hi: float, eps_hi: float, rtol: float) -> float:
+    """Shrink ``[lo, hi]`` (``eps(lo) > target >= eps(hi)``) until ``hi - lo <= rtol * hi``; return ``hi``.
+
+    Illinois-modified regula falsi on ``log eps`` against ``log sigma`` (nearly linear there), with each trial kept
+    a quarter-tolerance inside the bracket so that both ends move: a handful of accountant calls instead of the
+    ~8 of bisection.  Infinite epsilons (sigma too small) fall back to bisection.
+    """
+    x_lo, x_hi = math.log(lo), math.log(hi)
+    log_t = math.log(target)
+    f_lo = math.log(eps_lo) - log_t if math.isfinite(eps_lo) else math.inf
+    f_hi = math.log(eps_hi) - log_t if eps_hi > 0 else -math.inf
+    side = 0
+    while hi - lo > rtol * hi:
+        margin = 0.25 * -math.log1p(-rtol)  # a quarter of the tolerance, in log sigma
+        if math.isfinite(f_lo) and math.isfinite(f_hi) and f_lo != f_hi:
+            x = x_hi - f_hi * (x_hi - x_lo) / (f_hi - f_lo)
         else:
-            lo = mid
+            x = 0.5 * (x_lo + x_hi)
+        x = min(max(x, x_lo + margin), x_hi - margin)
+        if x <= x_lo or x >= x_hi:
+            x = 0.5 * (x_lo + x_hi)
+        value = eps(math.exp(x))
+        f = math.log(value) - log_t if 0 < value < math.inf else (math.inf if value > 0 else -math.inf)
+        if f <= 0:  # x satisfies the budget: new upper end
+            x_hi, f_hi, hi = x, f, math.exp(x)
+            if side == -1:
+                f_lo *= 0.5
+            side = -1
+        else:
+            x_lo, f_lo, lo = x, f, math.exp(x)
+            if side == 1:
+                f_hi *= 0.5
+            side = 1
     return hi
 
 
@@ -162,23 +247,76 @@ def max_steps(noise_multiplier: float, sampling_rate: float, target_epsilon: flo
     return lo
 
 
+@functools.lru_cache(maxsize=256)
+def _ledger_epsilon(entries: tuple, delta: float, accountant: str) -> float:
+    """Epsilon of a ledger given as a hashable tuple of its entries (memoised: a pure function, and PLD is slow)."""
+    ledger = PrivacyLedger()
+    ledger.entries = [dict(e) for e in entries]
+    event, replace_one = ledger.dp_event(), ledger.entries[0]["sampling"] == "fixed-size"
+
+    def eps_at(d: float) -> float:
+        return _event_epsilon(event, d, accountant, replace_one=replace_one)
+
+    mass = ledger.truncation_mass
+    if mass == 0:
+        return eps_at(delta)
+
+    def mechanism_delta(eps: float) -> float:  # delta left for the untruncated mechanism if we claim eps
+        return delta - mass * (1.0 + math.exp(min(eps, 700.0)))
+
+    # f(eps) = eps_at(mechanism_delta(eps)) increases with eps, and (eps, delta) is certified when eps >= f(eps).
+    # One call: with cap such that the truncation takes at most 1e-3 of delta, e = f(cap) <= cap certifies e
+    # (f(e) <= f(cap) = e).  Otherwise iterate from below and certify.
+    if mass * 1001.0 < delta * 1e-3:
+        cap = math.log(delta * 1e-3 / mass - 1.0)
+        e = eps_at(mechanism_delta(cap))
+        if e <= cap:
+            return e
+    eps = eps_at(delta)
+    for _ in range(20):
+        d = mechanism_delta(eps)
+        if d <= 0:
+            return math.inf
+        nxt = eps_at(d)
+        if nxt <= eps:
+            return eps
+        eps = nxt * (1 + 1e-9) + 1e-12
+    return math.inf  # not certified (only with a truncation mass comparable to delta)
+
+
 class PrivacyLedger:
-    """Record of every composed DP event; consecutive identical events are merged into one entry with a count."""
+    """Record of every composed DP event; consecutive identical events are merged into one entry with a count.
+
+    ``overflowed_steps``: steps whose Poisson batch was actually truncated (already covered by the entries'
+    ``truncation_probability``; listed so a reviewer sees that it happened).
+    """
 
     def __init__(self) -> None:
         self.entries: list[dict[str, Any]] = []
+        self.overflowed_steps: list[int] = []
 
     def record(self, noise_multiplier: float, sampling_rate: float | None = None, steps: int = 1,
-               sampling: str = "poisson", dataset_size: int | None = None, batch_size: int | None = None) -> None:
-        """Record ``steps`` logical steps. ``fixed-size`` needs ``dataset_size`` and ``batch_size``."""
+               sampling: str = "poisson", dataset_size: int | None = None, batch_size: int | None = None,
+               truncation_probability: float = 0.0) -> None:
+        """Record ``steps`` logical steps. ``fixed-size`` needs ``dataset_size`` and ``batch_size``.
+
+        ``truncation_probability``: per-step probability that a Poisson batch exceeded the static capacity and was
+        truncated (module doc); 0 for exact Poisson sampling.
+        """
         sigma, steps = _check_noise(noise_multiplier), _check_steps(steps)
+        if not isinstance(truncation_probability, numbers.Real) or not 0 <= truncation_probability < 1:
+            raise ValueError(f"truncation_probability must be in [0, 1), got {truncation_probability!r}")
         if sampling == "poisson":
             if sampling_rate is None:
                 raise ValueError("sampling_rate is required for sampling='poisson'")
             entry = {"sampling": sampling, "noise_multiplier": sigma, "sampling_rate": _check_rate(sampling_rate)}
+            if truncation_probability > 0:
+                entry["truncation_probability"] = float(truncation_probability)
         elif sampling == "fixed-size":
             if dataset_size is None or batch_size is None:
                 raise ValueError("dataset_size and batch_size are required for sampling='fixed-size'")
+            if truncation_probability:
+                raise ValueError("truncation_probability applies to Poisson sampling only")
             n, m = _check_steps(dataset_size, "dataset_size"), _check_steps(batch_size, "batch_size")
             if not 0 < m <= n:
                 raise ValueError(f"batch_size must be in [1, dataset_size={n}], got {m}")
@@ -195,12 +333,24 @@ class PrivacyLedger:
         else:
             self.entries.append({**entry, "count": steps})
 
+    def record_overflow(self, step: int) -> None:
+        """Note that the batch of ``step`` was truncated (its probability is already in the entries)."""
+        self.overflowed_steps.append(_check_steps(step, "step"))
+
     @property
     def steps(self) -> int:
         return sum(e["count"] for e in self.entries)
 
+    @property
+    def truncation_mass(self) -> float:
+        """``sum_t eta_t``: total-variation distance between the run and exact Poisson sampling."""
+        return math.fsum(e.get("truncation_probability", 0.0) * e["count"] for e in self.entries)
+
     def dp_event(self) -> dp_accounting.DpEvent:
-        """The composed ``dp_accounting`` event of the ledger (fixed-size sigma already halved, see module doc)."""
+        """The composed ``dp_accounting`` event of the ledger (fixed-size sigma already halved, see module doc).
+
+        Truncation is not part of the event; :meth:`epsilon` accounts it through ``delta``.
+        """
         events = []
         for e in self.entries:
             if e["sampling"] == "poisson":
@@ -212,7 +362,7 @@ class PrivacyLedger:
         return dp_accounting.ComposedDpEvent(events)
 
     def epsilon(self, delta: float, accountant: str = "pld") -> float:
-        """Epsilon of everything recorded, at ``delta``."""
+        """Epsilon of everything recorded, at ``delta`` (truncation included, see the module doc)."""
         delta = _check_delta(delta)
         _check_accountant(accountant)
         if not self.entries:
@@ -222,10 +372,14 @@ class PrivacyLedger:
             raise ValueError("ledger mixes poisson and fixed-size events (different adjacency); cannot account it")
         if any(e["noise_multiplier"] == 0 for e in self.entries):
             return math.inf
-        return _event_epsilon(self.dp_event(), delta, accountant, replace_one=schemes == {"fixed-size"})
+        key = tuple(tuple(sorted(e.items())) for e in self.entries)
+        return _ledger_epsilon(key, delta, accountant)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": 1, "events": [dict(e) for e in self.entries]}
+        data: dict[str, Any] = {"version": 1, "events": [dict(e) for e in self.entries]}
+        if self.overflowed_steps:
+            data["overflowed_steps"] = list(self.overflowed_steps)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrivacyLedger:
@@ -235,6 +389,8 @@ class PrivacyLedger:
         for e in data["events"]:
             e = dict(e)
             ledger.record(e.pop("noise_multiplier"), steps=e.pop("count"), **e)
+        for step in data.get("overflowed_steps", []):
+            ledger.record_overflow(step)
         return ledger
 
     def to_json(self) -> str:
@@ -245,7 +401,8 @@ class PrivacyLedger:
         return cls.from_dict(json.loads(text))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PrivacyLedger) and self.entries == other.entries
+        return (isinstance(other, PrivacyLedger) and self.entries == other.entries
+                and self.overflowed_steps == other.overflowed_steps)
 
     def __repr__(self) -> str:
         return f"PrivacyLedger({len(self.entries)} entries, {self.steps} steps)"

@@ -13,6 +13,8 @@ import argparse
 import math
 import sys
 
+from dpzero_jax import planner
+
 
 def _positive_float(flag: str, allow_zero: bool = False):
     def parse(text: str) -> float:
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     privacy.add_argument("--delta", type=_unit_interval("--delta", closed_right=False), default=1e-5)
     privacy.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
     _add_train_parser(commands)
+    planner.add_parser(commands)
     return parser
 
 
@@ -80,6 +83,27 @@ def _groups(text: str):
         return ("uniform", _positive_int("--groups uniform:K")(text.split(":", 1)[1]))
     raise argparse.ArgumentTypeError(
         f"--groups must be all-layer, layer-wise, param-wise or uniform:K, got {text!r}")
+
+
+def _mesh(text: str) -> str:
+    from dpzero_jax.sharding import parse_mesh
+
+    try:
+        parse_mesh(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--mesh: {error}") from None
+    return text
+
+
+def _patterns(flag: str):
+    def parse(text: str) -> tuple[str, ...]:
+        if text.strip().lower() == "none":
+            return ()
+        items = tuple(item.strip() for item in text.split(","))
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"{flag}: expected comma-separated path patterns, got {text!r}")
+        return items
+    return parse
 
 
 def _hidden(text: str):
@@ -118,6 +142,8 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--clip-fn", choices=("abadi", "automatic", "global"))
     train.add_argument("--groups", type=_groups, help="all-layer, layer-wise, param-wise or uniform:K")
     train.add_argument("--mode", choices=MODES)
+    train.add_argument("--norm-kernel", choices=("auto", "xla", "pallas"),
+                       help="per-example norms with XLA einsums or the tiled Pallas kernels (auto: xla for now)")
     train.add_argument("--lr", type=_positive_float("--lr"))
     train.add_argument("--optimizer", choices=("adam", "sgd", "adamw"))
     train.add_argument("--weight-decay", type=_positive_float("--weight-decay", allow_zero=True))
@@ -125,6 +151,27 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--out", help="output directory (metrics.jsonl, training.png, checkpoints/)")
     train.add_argument("--log-every", type=_positive_int("--log-every"))
     train.add_argument("--checkpoint-every", type=_non_negative_int("--checkpoint-every"), help="0: never")
+    train.add_argument("--keep-checkpoints", type=_positive_int("--keep-checkpoints"))
+    train.add_argument("--eval-every", type=_non_negative_int("--eval-every"),
+                       help="test-set evaluation every N steps (0: only at the end)")
+    train.add_argument("--sampling", choices=("poisson", "fixed-size", "shuffled"),
+                       help="poisson (default), fixed-size (needs --accountant rdp) or shuffled (no formal guarantee)")
+    train.add_argument("--devices", type=_positive_int("--devices"),
+                       help="train over N devices, ZeRO-sharded (N virtual CPU devices without an accelerator)")
+    train.add_argument("--mesh", type=_mesh, help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
+    train.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default 3)")
+    train.add_argument("--strategy", choices=("gspmd",), help="gspmd: one jit with shardings (default)")
+    train.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                       help="compute precision; fp32 master weights, norms and noise; no loss scaling")
+    train.add_argument("--peft", choices=("none", "lora", "bitfit", "linear-probe"),
+                       help="parameter-efficient fine-tuning: which parameters train (default none: all)")
+    train.add_argument("--lora-rank", type=_positive_int("--lora-rank"), help="LoRA rank (default 8)")
+    train.add_argument("--lora-alpha", type=_positive_float("--lora-alpha"), help="LoRA alpha (default 16)")
+    train.add_argument("--lora-targets", type=_patterns("--lora-targets"),
+                       help="comma-separated path patterns of the dense layers that get adapters")
+    train.add_argument("--peft-also-train", type=_patterns("--peft-also-train"),
+                       help="comma-separated patterns trained in full besides the PEFT method's (default: head for "
+                            "lora/bitfit); 'none' for nothing")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -182,6 +229,19 @@ def _train(args) -> str:
     if "epochs" in options:
         values["steps"] = None
     values.update(options)
+    wanted = values.get("devices")
+    if values.get("mesh"):
+        from dpzero_jax.sharding import parse_mesh
+
+        wanted = parse_mesh(values["mesh"]).size
+    if wanted:  # virtual CPU devices must be requested before JAX's first operation
+        import jax
+
+        try:
+            if jax.config.jax_num_cpu_devices < int(wanted):
+                jax.config.update("jax_num_cpu_devices", int(wanted))
+        except (RuntimeError, TypeError, ValueError):
+            pass  # already started, or a bad value: TrainConfig reports it
     result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
     return result.summary() + f"\noutputs in {result.out}"
 
@@ -193,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_privacy(args))
         elif args.command == "train":
             print(_train(args))
+        elif args.command == "plan":
+            print(planner.run(args))
     except (ValueError, FileExistsError, RuntimeError) as error:
         print(f"dpzero {args.command}: error: {error}", file=sys.stderr)
         return 2

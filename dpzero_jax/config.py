@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from dpzero_jax.clipping import CLIP_FUNCTIONS, validate_groups
+from dpzero_jax.noise import NOISE_RNGS
 from dpzero_jax.pergrad import NORM_METHODS
+from kernels.ghost_norm import NORM_KERNELS
 
 MODES = ("auto", "bk", "ghost", "fused", "vmap")
 
@@ -28,9 +30,17 @@ class DPConfig:
     norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``: the space rule of paper 000), ``"fastest"``
         (ghost iff it takes fewer operations than instantiating and reusing the per-example gradient),
         ``"ghost"`` or ``"instantiate"``.
+    norm_kernel: how weight norms (and clipped sums) are computed: ``"xla"`` (einsums that build the ``[B, T, T]``
+        Grams or the ``[B, rows, cols]`` per-example gradients), ``"pallas"`` (the tiled kernels of
+        ``kernels.ghost_norm``: neither buffer; the mixed rule then decides on operations) or ``"auto"`` (default:
+        currently ``"xla"`` on every backend -- the kernels are only interpreted on CPU and not yet timed on GPU/TPU).
     expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
     microbatch_size: examples per chunk in ``vmap`` and ``bk`` modes (``None``: the whole batch at once).
     gamma: the stability constant of automatic clipping.
+    noise_rng: ``"blocked"`` (default: XLA's fused bit generator, block by block in place; fastest on one device)
+        or ``"partitionable"`` (``jax.random``'s partitionable Threefry: every coordinate's noise depends only on the
+        key and its global index, so a sharded gradient is noised shard by shard, on its owner, and the noise is the
+        same on any number of devices). See :mod:`dpzero_jax.noise`.
     group_thresholds: explicit ``(R_1..R_M)`` instead of ``R / sqrt(M)``.
     """
 
@@ -40,9 +50,11 @@ class DPConfig:
     groups: Any = "all-layer"
     mode: str = "auto"
     norm_method: str = "mixed"
+    norm_kernel: str = "auto"
     expected_batch_size: float | None = None
     microbatch_size: int | None = None
     gamma: float = 0.01
+    noise_rng: str = "blocked"
     group_thresholds: Sequence[float] | None = None
 
     def __post_init__(self):
@@ -61,6 +73,11 @@ class DPConfig:
             raise ValueError(f"DPConfig.mode={self.mode!r}: expected one of {MODES}")
         if self.norm_method not in NORM_METHODS:
             raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {NORM_METHODS}")
+        if self.noise_rng not in NOISE_RNGS:
+            raise ValueError(f"DPConfig.noise_rng={self.noise_rng!r}: expected one of {NOISE_RNGS}")
+        if self.norm_kernel not in NORM_KERNELS:
+            raise ValueError(f"DPConfig.norm_kernel={self.norm_kernel!r}: expected one of {NORM_KERNELS} "
+                             "('pallas' runs the tiled Pallas kernels of kernels.ghost_norm)")
         validate_groups(self.groups)
         if self.expected_batch_size is not None:
             positive_number("expected_batch_size", self.expected_batch_size)

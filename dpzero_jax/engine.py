@@ -34,6 +34,7 @@ import numpy as np
 from dpzero_jax import clipping, noise, pergrad
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.config import DPConfig
+from kernels import ghost_norm
 
 Array = jax.Array
 
@@ -210,8 +211,12 @@ def _keep(losses, mask):
 # ----------------------------------------------------------------------------------------------------------------
 # The modes.
 
-def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask):
-    """Book-keeping on one (micro)batch: ``(losses [b], {path: clipped sum}, norms [b, M], coef [b, M])``."""
+def bk_forward(loss_fn, plan: Plan, params, leaf_ids, batch):
+    """The book-keeping forward on one (micro)batch: ``(losses [b], pullback, calls)``.
+
+    ``pullback`` maps a loss cotangent to the output gradients of the trainable layer calls (its residuals and
+    ``calls[index] = (layer input or None, layer params)`` are everything book-keeping keeps from the forward).
+    """
     size = _batch_size(batch)
     probes = {r.index: jnp.zeros((size,) + r.output_shape[1:], r.output_dtype) for r in plan.records}
 
@@ -221,19 +226,31 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask)
             losses = loss_fn(params, batch)
         return losses, capture.calls
 
-    losses, pullback, calls = jax.vjp(forward, probes, has_aux=True)
+    return jax.vjp(forward, probes, has_aux=True)
+
+
+def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask):
+    """Book-keeping on one (micro)batch: ``(losses [b], {path: clipped sum}, norms [b, M], coef [b, M])``."""
+    size = _batch_size(batch)
+    losses, pullback, calls = bk_forward(loss_fn, plan, params, leaf_ids, batch)
     (output_grads,) = pullback(jnp.ones_like(losses))
     uses = _per_example_uses(plan, calls, output_grads, plan.uses)
-    # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
-    # reused for the clipped sum (no second contraction).
-    instantiated = {path: sum(pergrad.instantiate(v) for v in u) for path, u in uses.items()
-                    if not pergrad.use_ghost(u, cfg.norm_method)}
-    sq = {path: (jnp.sum(jnp.square(instantiated[path]).reshape(size, -1), axis=1) if path in instantiated
-                 else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
+    kernel = cfg.norm_kernel
+    if kernel == "pallas":
+        # The kernels never hold a per-example gradient: norms and clipped sums are separate tiled passes.
+        sq = {path: pergrad.sq_norm(u, cfg.norm_method, kernel) for path, u in uses.items()}
+        instantiated = {}
+    else:
+        # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
+        # reused for the clipped sum (no second contraction).
+        instantiated = {path: sum(pergrad.instantiate(v) for v in u) for path, u in uses.items()
+                        if not pergrad.use_ghost(u, cfg.norm_method)}
+        sq = {path: (jnp.sum(jnp.square(instantiated[path]).reshape(size, -1), axis=1) if path in instantiated
+                     else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
     grads = {path: pergrad.weighted_sum([pergrad.Direct(instantiated[path])] if path in instantiated else u,
-                                        coef[:, plan.group_of[path]]) for path, u in uses.items()}
+                                        coef[:, plan.group_of[path]], kernel) for path, u in uses.items()}
     return losses, grads, norms, coef
 
 
@@ -279,7 +296,7 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
              for r in plan.records if r.index not in shared}
 
     def forward(params, sinks, probes):
-        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method)
+        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method, cfg.norm_kernel)
         with tape_lib.active(ghost):
             losses = loss_fn(params, batch)
         return (losses, ghost.ports), ghost.calls
@@ -296,13 +313,14 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     shared_paths = [p for p, us in plan.uses.items() if any(index in shared for index, _ in us)]
     shared_uses = _per_example_uses(plan, calls, probe_ct, shared_paths)
     for path, u in shared_uses.items():
-        sq[path] = pergrad.sq_norm(u, cfg.norm_method)
+        sq[path] = pergrad.sq_norm(u, cfg.norm_method, cfg.norm_kernel)
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
     port_ct = {index: jnp.stack([coef[:, plan.group_of[path]] for _, path in by_index[index].param_paths], axis=1)
                for index in ports}
     clipped, _, _ = pullback((ones, port_ct))
-    extra = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]]) for path, u in shared_uses.items()}
+    extra = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]], cfg.norm_kernel)
+             for path, u in shared_uses.items()}
     if extra:
         extra_tree = _assemble(params, extra)
         clipped = jax.tree.map(jnp.add, clipped, extra_tree)
@@ -340,7 +358,7 @@ def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     keep = mask.astype(jnp.float32)
 
     def forward(params, sinks):
-        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method)
+        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method, cfg.norm_kernel)
         with tape_lib.active(fused):
             return loss_fn(params, batch)
 
@@ -441,13 +459,13 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
 
     def private_grad(params, batch, key, mask=None):
         plan = make_plan(loss_fn, cfg, params, batch, require_supported=cfg.mode != "vmap")
-        concrete = choose_mode(cfg, plan)
+        concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
         mask = _check_mask(mask, plan.batch_size)
         result = MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask)
         divisor = cfg.expected_batch_size or plan.batch_size
         if cfg.noise_multiplier > 0:
             std = noise.noise_std(cfg.noise_multiplier, plan.thresholds)
-            grads = noise.add_noise_and_normalise(result.clipped_sum, key, std, divisor)
+            grads = noise.add_noise_and_normalise(result.clipped_sum, key, std, divisor, cfg.noise_rng)
         else:
             grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / divisor).astype(g.dtype), result.clipped_sum)
         nonfinite = jnp.logical_and(mask, jnp.logical_not(jnp.logical_and(
@@ -461,15 +479,17 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
 
 
 def per_example_grad_norms(loss_fn: Callable, params, batch, *, norm_method: str = "mixed",
-                           mode: str = "bk") -> Array:
+                           mode: str = "bk", norm_kernel: str = "auto") -> Array:
     """``[B]`` exact L2 norms of the per-example gradients over all parameters (no clipping, no noise).
 
     ``mode="bk"`` uses the layer rules (fails on parameters outside supported layers); ``mode="vmap"`` computes
-    per-example gradients.
+    per-example gradients. ``norm_kernel``: as in :class:`DPConfig`.
     """
     if mode not in ("bk", "ghost", "vmap"):
         raise ValueError(f"per_example_grad_norms: mode must be 'bk', 'ghost' or 'vmap', got {mode!r}")
-    cfg = DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method=norm_method)
+    cfg = DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method=norm_method,
+                   norm_kernel=norm_kernel)
+    cfg = cfg.replace(norm_kernel=ghost_norm.resolve(norm_kernel))
     plan = make_plan(loss_fn, cfg, params, batch, require_supported=mode != "vmap")
     mask = jnp.ones((plan.batch_size,), bool)
     return MODES[mode](loss_fn, cfg, plan, params, batch, mask).norms[:, 0]

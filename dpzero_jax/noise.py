@@ -2,7 +2,14 @@
 
 ``G = (sum_i C_i g_i + std * N(0, I)) / expected_batch_size`` with ``std = noise_multiplier * ||(R_1..R_M)||``.
 Leaf ``j`` of the gradient pytree draws its noise from ``jax.random.fold_in(key, j)``, so every coordinate is drawn
-exactly once from the key the caller passes.
+exactly once from the key the caller passes. Two generators (``DPConfig.noise_rng``):
+
+* ``"blocked"``: XLA's ``RngBitGenerator`` (Threefry), block by block in place (:func:`standard_normal`); fastest on
+  one device, but its values depend on the block layout, not on a coordinate's global index.
+* ``"partitionable"``: ``jax.random.normal`` with JAX's partitionable Threefry (``jax_threefry_partitionable``,
+  on by default): the bits of a coordinate are a function of ``(key, global index)`` only. Under ``jax.jit`` with a
+  sharded gradient, each device draws exactly its own shard (no communication, nothing drawn twice) and the
+  noise -- hence the update -- is identical on 1, 2, 4 or 8 devices. The sharded trainer uses it.
 Dividing by the *expected* batch size (not the realised one, which depends on the data) keeps the sensitivity
 analysis exact under Poisson sampling.
 """
@@ -48,16 +55,30 @@ def standard_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.float32(2.0**0.5) * jax.lax.erf_inv(jnp.maximum(lowest, 2.0 * unit - 1.0))
 
 
-def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_size: float):
+NOISE_RNGS = ("blocked", "partitionable")
+
+
+def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_size: float, rng: str = "blocked"):
     """``(clipped_sum + std * N(0, I)) / expected_batch_size`` leaf by leaf.
 
-    Leaf ``j`` draws from ``fold_in(key, j)`` (see :func:`standard_normal`). Computed in float32 and cast back to
-    each leaf's dtype.
+    Leaf ``j`` draws from ``fold_in(key, j)`` with the generator ``rng`` (module doc). Computed in float32 and cast
+    back to each leaf's dtype.
     """
+    if rng not in NOISE_RNGS:
+        raise ValueError(f"noise rng must be one of {NOISE_RNGS}, got {rng!r}")
+    if rng == "partitionable" and not jax.config.jax_threefry_partitionable:
+        raise ValueError("noise_rng='partitionable' needs jax.config.jax_threefry_partitionable=True (the default); "
+                         "it was turned off")
+    noised = _noised_leaf if rng == "blocked" else _noised_leaf_partitionable
     leaves, treedef = jax.tree.flatten(clipped_sum)
-    out = [_noised_leaf(leaf, jax.random.fold_in(key, j), std, expected_batch_size).astype(leaf.dtype)
+    out = [noised(leaf, jax.random.fold_in(key, j), std, expected_batch_size).astype(leaf.dtype)
            for j, leaf in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _noised_leaf_partitionable(leaf: jax.Array, key: jax.Array, std, expected_batch_size: float) -> jax.Array:
+    """``(leaf + std * N(0, I)) / expected_batch_size`` in float32; noise from ``jax.random.normal(key, shape)``."""
+    return (leaf.astype(jnp.float32) + std * jax.random.normal(key, leaf.shape, jnp.float32)) / expected_batch_size
 
 
 NOISE_BLOCK = 1 << 16   # elements per draw for large leaves; part of the definition of the noise for a given key

@@ -14,6 +14,12 @@ The squared Frobenius norm of an :class:`Outer` gradient is computed either by t
 ``<L_i L_i^T, R_i R_i^T>`` (memory ``B*T*T``) or by instantiating ``G_i`` (memory ``B*rows*cols``); the *mixed*
 rule picks ghost iff ``2 T^2 < rows * cols`` (paper 000, Appendix A), decided from static shapes at trace time.
 All norms are accumulated in float32.
+
+``kernel`` selects how the weight terms are computed: ``"xla"`` (the jnp forms below, which build the
+``[B, T, T]`` Grams or the ``[B, rows, cols]`` gradients) or ``"pallas"`` (the tiled kernels of
+:mod:`kernels.ghost_norm`, which build neither). With ``"pallas"`` both forms cost ``O(tile^2)`` memory, so the
+mixed rule decides on operations alone (:func:`use_ghost`), and several uses of one weight are concatenated along
+the positions (``sum_u L_u^T R_u = [L_1; L_2; ..]^T [R_1; R_2; ..]``) so that one kernel call covers every cross term.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from kernels import ghost_norm
+
 Array = jax.Array
 
 NORM_METHODS = ("mixed", "fastest", "ghost", "instantiate")
+KERNELS = ("xla", "pallas")
 
 # Multiply-add equivalents per gradient element of instantiating a per-example gradient and reusing it for the
 # clipped sum (write it, read it for the norm, read it for the sum); used by the "fastest" rule.
@@ -101,7 +110,7 @@ def instantiate(use: PerExampleGrad) -> Array:
     return full.reshape((batch,) + tuple(use.shape))
 
 
-def use_ghost(uses: Sequence[PerExampleGrad], method: str) -> bool:
+def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") -> bool:
     """Ghost norm or instantiation for one parameter, from static shapes.
 
     ``"mixed"``: the space rule of paper 000 (Appendix A), ghost iff ``2 T^2 < rows * cols``.
@@ -109,6 +118,11 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str) -> bool:
     ghost costs ``T^2 (rows + cols)`` multiply-adds per example, instantiation with reuse about
     ``INSTANTIATION_COST`` multiply-add equivalents per gradient element (its extra memory passes); ghost iff cheaper.
     Embeddings (one-hot left factor) are never instantiated by this rule: their Gram is an equality test.
+
+    With ``kernel="pallas"`` neither form needs a large buffer, so ``"mixed"`` and ``"fastest"`` compare operations
+    for dense weights: the ghost kernel computes half of the ``T x T`` tile pairs, ``T^2 (rows + cols) / 2``
+    multiply-adds, the instantiation kernel ``T rows cols``; ghost iff ``T (rows + cols) < 2 rows cols``. Embeddings
+    keep the space rule (their instantiation is an XLA scatter).
     """
     if any(isinstance(u, Direct) for u in uses):
         return False
@@ -118,6 +132,8 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str) -> bool:
         return False
     total_positions = sum(u.positions for u in uses)
     rows_times_cols = math.prod(uses[0].shape)
+    if kernel == "pallas" and not any(u.left_is_ids for u in uses):
+        return total_positions * (uses[0].rows + uses[0].cols) < 2 * rows_times_cols
     if method == "fastest":
         if any(u.left_is_ids for u in uses):
             return 2 * total_positions**2 < rows_times_cols
@@ -126,14 +142,48 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str) -> bool:
     return 2 * total_positions**2 < rows_times_cols
 
 
-def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed") -> Array:
-    """``[B]`` squared L2 norm of the per-example gradient ``sum_u G_u`` of one parameter (float32)."""
+def _concat_positions(arrays: Sequence[Array]) -> Array:
+    return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=1)
+
+
+def _pallas_sq_norm(uses: Sequence[Outer], ghost: bool) -> Array:
+    """``[B]`` with the Pallas kernels: dense uses concatenated along positions (one call covers their cross terms),
+    likewise the embedding uses; cross terms between an embedding use and a dense use stay in XLA (a gather)."""
+    dense = [u for u in uses if not u.left_is_ids]
+    ids = [u for u in uses if u.left_is_ids]
+    result = 0.0
+    if dense:
+        left = _concat_positions([u.left for u in dense])
+        right = _concat_positions([u.right for u in dense])
+        if ghost:
+            result = result + ghost_norm.gram_sq_norm(left, right)
+        else:
+            result = result + ghost_norm.instantiated_sq_norm(left, right)
+    if ids:
+        result = result + ghost_norm.gram_sq_norm(_concat_positions([u.left for u in ids]),
+                                                  _concat_positions([u.right for u in ids]), left_is_ids=True)
+    for u in ids:
+        for v in dense:
+            result = result + 2.0 * jnp.sum(_gram(u, v, "left") * _gram(u, v, "right"), axis=(1, 2))
+    return result
+
+
+def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed", kernel: str = "xla") -> Array:
+    """``[B]`` squared L2 norm of the per-example gradient ``sum_u G_u`` of one parameter (float32).
+
+    kernel: ``"xla"`` or ``"pallas"`` (see the module docstring).
+    """
     if not uses:
         raise ValueError("sq_norm needs at least one use of the parameter")
     kinds = {type(u) for u in uses}
     if len(kinds) > 1:
         raise TypeError("a parameter's uses must all be Outer or all be Direct")
-    if not use_ghost(uses, method):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
+    ghost = use_ghost(uses, method, kernel)
+    if kernel == "pallas" and kinds == {Outer} and (ghost or not any(u.left_is_ids for u in uses)):
+        return _pallas_sq_norm(uses, ghost)
+    if not ghost:
         total = sum(instantiate(u) for u in uses)
         return jnp.sum(jnp.square(total).reshape(total.shape[0], -1), axis=1)
     result = 0.0
@@ -150,11 +200,12 @@ def _zero_where_inactive(x: Array, active: Array) -> Array:
     return jnp.where(active.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array) -> Array:
+def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla") -> Array:
     """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, float32.
 
     coef: ``[B]``. Examples with ``coef == 0`` contribute exactly zero even if their activations or output
-    gradients are NaN or infinite.
+    gradients are NaN or infinite. ``kernel="pallas"``: dense uses go through the weighted-sum kernel where the
+    backend has one (TPU, and its interpreter on CPU), which skips inactive examples instead of masking copies.
     """
     active = coef != 0
     coef = coef.astype(jnp.float32)
@@ -168,6 +219,8 @@ def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array) -> Array:
             if u.left_is_ids:
                 flat = jnp.zeros((u.rows, u.cols), jnp.float32)
                 part = flat.at[u.left.reshape(-1)].add(right.reshape(-1, u.cols)).reshape(u.shape)
+            elif kernel == "pallas" and ghost_norm.has_kernel("weighted_sum", u.left, u.right):
+                part = ghost_norm.weighted_sum(u.left, u.right, coef).reshape(u.shape)
             else:
                 left = _zero_where_inactive(u.left, active)
                 part = jnp.einsum("btr,btc->rc", left, right.astype(left.dtype),

@@ -7,8 +7,9 @@ Static shapes
     contribution (e.g. multiply per-example clipped gradients by ``mask``). One compile serves the whole run.
 
 Overflow
-    By default ``capacity`` is the smallest ``c`` with ``P(Binomial(N, q) > c) <= 1e-9``; the exact tail probability
-    for the capacity in use is exposed as ``overflow_probability``. When more than ``capacity`` examples are drawn,
+    By default ``capacity`` is the smallest ``c`` with ``P(Binomial(N + 1, q) > c) <= 1e-9`` (N + 1: the larger of two
+    neighbouring datasets); the exact tail probabilities for the capacity in use are ``overflow_probability`` and
+    ``truncation_probability``. When more than ``capacity`` examples are drawn,
     ``overflow="error"`` raises :class:`SamplingOverflowError`; ``overflow="truncate"`` keeps a uniformly random subset
     of size ``capacity``. Truncation CHANGES THE MECHANISM (it is no longer pure Poisson sampling, so the
     ``PoissonSampledDpEvent`` accounting is not exact for that step); every batch carries ``overflowed`` so the
@@ -107,15 +108,23 @@ class PoissonSampler:
     Args:
         dataset_size: N >= 1.
         sampling_rate: q with 0 < q <= 1.
-        capacity: number of static slots (1 <= capacity); default: smallest c with P(Bin(N, q) > c) <= 1e-9.
+        capacity: number of static slots (1 <= capacity); default: the smallest multiple of ``capacity_multiple``
+            with P(Bin(N + 1, q) > c) <= ``overflow_target``.
         overflow: "truncate" (keep a uniform random subset of size capacity; changes the mechanism, flagged via
             ``Batch.overflowed``) or "error" (raise :class:`SamplingOverflowError`).
+        overflow_target: bound on the per-step overflow probability used to choose the default capacity.
+        capacity_multiple: the default capacity is rounded up to a multiple of this (e.g. the number of devices
+            the batch is split over).
     Attributes:
         overflow_probability: exact P(Binomial(N, q) > capacity).
+        truncation_probability: exact P(Binomial(N + 1, q) > capacity), the overflow probability on the larger of
+            two add/remove-neighbouring datasets: what the privacy ledger charges per step
+            (:mod:`dpzero_jax.accounting`, "Truncated Poisson batches").
     """
 
     def __init__(self, dataset_size: int, sampling_rate: float, capacity: int | None = None,
-                 overflow: Literal["truncate", "error"] = "truncate"):
+                 overflow: Literal["truncate", "error"] = "truncate",
+                 overflow_target: float = DEFAULT_OVERFLOW_TARGET, capacity_multiple: int = 1):
         self.dataset_size = n = _check_size(dataset_size)
         q = float(sampling_rate)
         if not (0.0 < q <= 1.0) or math.isnan(q):
@@ -124,17 +133,23 @@ class PoissonSampler:
         if overflow not in ("truncate", "error"):
             raise ValueError(f"overflow must be 'truncate' or 'error', got {overflow!r}")
         self.overflow = overflow
+        if not 0 < overflow_target < 1:
+            raise ValueError(f"overflow_target must be in (0, 1), got {overflow_target!r}")
+        if isinstance(capacity_multiple, bool) or int(capacity_multiple) != capacity_multiple or capacity_multiple < 1:
+            raise ValueError(f"capacity_multiple must be an integer >= 1, got {capacity_multiple!r}")
         if capacity is None:
-            c = int(stats.binom.isf(DEFAULT_OVERFLOW_TARGET, n, q))
-            while c > 0 and stats.binom.sf(c - 1, n, q) <= DEFAULT_OVERFLOW_TARGET:  # guard isf rounding
+            c = int(stats.binom.isf(overflow_target, n + 1, q))
+            while c > 0 and stats.binom.sf(c - 1, n + 1, q) <= overflow_target:  # guard isf rounding
                 c -= 1
-            while stats.binom.sf(c, n, q) > DEFAULT_OVERFLOW_TARGET:
+            while stats.binom.sf(c, n + 1, q) > overflow_target:
                 c += 1
-            capacity = max(1, min(c, n))
+            c = max(1, min(c, n + 1))  # N + 1 slots never overflow, even on the larger neighbour
+            capacity = -(-c // capacity_multiple) * capacity_multiple
         elif isinstance(capacity, bool) or int(capacity) != capacity or capacity < 1:
             raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
         self.capacity = int(capacity)
         self.overflow_probability = float(stats.binom.sf(self.capacity, n, q))
+        self.truncation_probability = float(stats.binom.sf(self.capacity, n + 1, q))
 
     def sample(self, key) -> Batch:
         """Pure function of ``key``. Returns Batch(indices int32 [capacity], mask bool [capacity], realised_size)."""

@@ -12,16 +12,17 @@ the layer *is* (by identity) a leaf of the ``params`` being differentiated.
   layer with zero stand-ins for trainable parameters, so that any remaining use of a parameter in the jaxpr is a
   use outside the supported layers.
 * :class:`CaptureTape` (book-keeping): adds a zero probe to each layer output, whose cotangent is the output
-  gradient ``g``, and keeps the layer input ``x`` as auxiliary output. Parameters are not differentiated.
-
-Every tape keeps of a layer input what its rule asks for (``rules.stored_input``: ``x`` itself, or less, such as
-the random projection ``S^T x`` of an RMM layer) and forms the input cotangent with ``rules.input_grad``.
+  gradient ``g``, and keeps the layer input ``x`` as auxiliary output -- unless the call's trainable parameters
+  do not need it (only a bias trainable: ``rule.input_free``). Parameters are not differentiated.
 * :class:`GhostTape`: a ``custom_vjp`` per layer whose backward writes the per-parameter squared norms into the
   cotangent of a ``[B, P]`` *sink* input and, through the cotangent of a ``[B, P]`` *port* output, receives the
   clip coefficients with which it forms the clipped weight gradient. Calls whose parameters are shared with
   another call (tied weights) are captured as in book-keeping so that cross terms can be formed.
 * :class:`FusedTape`: a ``custom_vjp`` per layer whose backward computes the layer's norms, the clip
   coefficients of its (layer-local) groups and the clipped weight gradient in one go.
+
+Every tape keeps of a layer input what its rule asks for (``rules.stored_input``: ``x`` itself, or less, such as
+the random projection ``S^T x`` of an RMM layer) and forms the input cotangent with ``rules.input_grad``.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ class DiscoveryTape(_Tape):
 
 class CaptureTape(_Tape):
     """Book-keeping capture: ``y + probe`` for the listed calls; ``calls[index] = (saved, layer params)`` with
-    ``saved = rules.stored_input(...)`` -- the layer input ``x`` itself unless the rule keeps less (RMM), or always
-    ``x`` with ``keep_inputs`` (for diagnostics that need the exact input)."""
+    ``saved = rules.stored_input(...)`` -- the layer input ``x`` itself unless the rule keeps less (RMM), ``None``
+    when no trainable parameter of the call needs the input (``rules.needs_input``), or always ``x`` with
+    ``keep_inputs`` (for diagnostics that need the exact input)."""
 
     def __init__(self, leaf_paths, probes: Mapping[int, jax.Array], keep_inputs: bool = False):
         super().__init__(leaf_paths)
@@ -126,8 +128,12 @@ class CaptureTape(_Tape):
         layer_params = {**frozen, **held}
         if self.keep_inputs:
             y, saved = rule.apply(layer_params, x, spec), x
-        else:
+        elif rules.needs_input(rule, trainable):
             y, saved = rules.forward_and_stored(rule, layer_params, x, spec)
+        else:
+            # A trainable parameter needs the input only if its per-example gradient does: a layer whose only
+            # trainable parameter is its bias (BiTFiT) keeps its output gradient alone.
+            y, saved = rule.apply(layer_params, x, spec), None
         self.calls[index] = (saved, layer_params)
         return y + self.probes[index].astype(y.dtype)
 
@@ -138,7 +144,7 @@ class CaptureTape(_Tape):
         return self._capture(index, rule, spec, params, x)
 
 
-def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
+def _ghost_layer(rule, spec, names, method, kernel, trainable, frozen, x, sink):
     """``(y, port)``; backward: ``sink`` cotangent = per-parameter squared norms ``[B, P]``, parameter cotangents =
     ``sum_i port_ct[i, j] * grad_i`` for parameter ``names[j]``."""
 
@@ -154,8 +160,8 @@ def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
         g, coef = cotangents
         params = {**frozen, **trainable}
         uses = rule.per_example_grads(params, saved, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
-        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j]).astype(trainable[n].dtype)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
         return grads, None, rules.input_grad(rule, params, saved, g, spec), sq
 
@@ -165,10 +171,11 @@ def _ghost_layer(rule, spec, names, method, trainable, frozen, x, sink):
 
 
 class GhostTape(CaptureTape):
-    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str):
+    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str, kernel: str = "xla"):
         super().__init__(leaf_paths, probes)
         self.sinks = sinks
         self.method = method
+        self.kernel = kernel
         self.ports: dict[int, jax.Array] = {}
 
     def call(self, rule, spec, params, x):
@@ -178,7 +185,8 @@ class GhostTape(CaptureTape):
         if index not in self.sinks:
             return rule.apply(params, x, spec)
         trainable, frozen, _ = self._split(params)
-        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, trainable, frozen, x, self.sinks[index])
+        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, self.kernel, trainable, frozen, x,
+                               self.sinks[index])
         self.ports[index] = port
         return y
 
@@ -196,7 +204,7 @@ class LocalClip:
     coefficients: Callable
 
 
-def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, x, sink, keep):
+def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, trainable, frozen, x, sink, keep):
     def forward(trainable, frozen, x, sink, keep):
         return rule.apply({**frozen, **trainable}, x, spec)
 
@@ -208,12 +216,12 @@ def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, 
         trainable, frozen, saved, keep = residuals
         params = {**frozen, **trainable}
         uses = rule.per_example_grads(params, saved, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method) for n in names], axis=1)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
         group_of = jnp.asarray(clip.group_of)
         n_local = len(clip.thresholds)
         group_sq = jnp.zeros((sq.shape[0], n_local), jnp.float32).at[:, group_of].add(sq)
         coef = clip.coefficients(jnp.sqrt(group_sq), jnp.asarray(clip.thresholds, jnp.float32), keep)
-        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]]).astype(trainable[n].dtype)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
         return grads, None, rules.input_grad(rule, params, saved, g, spec), sq, None
 
@@ -223,14 +231,15 @@ def _fused_layer(rule, spec, names, method, clip: LocalClip, trainable, frozen, 
 
 
 class FusedTape(_Tape):
-    def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method):
+    def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method,
+                 kernel: str = "xla"):
         super().__init__(leaf_paths)
-        self.sinks, self.clips, self.keep, self.method = sinks, clips, keep, method
+        self.sinks, self.clips, self.keep, self.method, self.kernel = sinks, clips, keep, method, kernel
 
     def call(self, rule, spec, params, x):
         index = self._next()
         if index not in self.sinks:
             return rule.apply(params, x, spec)
         trainable, frozen, _ = self._split(params)
-        return _fused_layer(rule, spec, tuple(trainable), self.method, self.clips[index], trainable, frozen, x,
-                            self.sinks[index], self.keep)
+        return _fused_layer(rule, spec, tuple(trainable), self.method, self.kernel, self.clips[index], trainable,
+                            frozen, x, self.sinks[index], self.keep)

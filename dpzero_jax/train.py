@@ -36,13 +36,20 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, models
+from dpzero_jax import accounting, models, peft, sharding
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
-from dpzero_jax.sampling import PoissonSampler, gather
+from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
 MODELS = ("mlp", "vit")
+SAMPLINGS = ("poisson", "fixed-size", "shuffled")
+PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")
+STRATEGIES = ("gspmd",)
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+# options that may differ between a run and its resumption (they do not change what is computed)
+RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
+                     "devices", "mesh", "zero", "strategy")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 CLIP_FNS = ("abadi", "automatic", "global")
 
@@ -57,6 +64,23 @@ class TrainConfig:
     Privacy: ``noise_multiplier`` if set (then ``epsilon`` is only reported, not targeted), else sigma is calibrated
     so that the planned steps reach ``epsilon`` at ``delta``. ``no_dp`` trains without clipping or noise.
     ``groups``: "all-layer", "layer-wise", "param-wise" or ("uniform", k).
+    ``sampling``: "poisson" (default; add/remove adjacency, PLD or RDP), "fixed-size" (exactly ``batch_size``
+    examples without replacement; replace-one adjacency, ``accountant="rdp"`` required) or "shuffled" (epochs of a
+    permutation: NO formal guarantee, epsilon is not reported; sigma is calibrated as if Poisson).
+    ``eval_every``: test-set evaluation every that many steps (0: only at the end).
+    ``devices`` / ``mesh``: train over a ``("data", "fsdp")`` device mesh (:mod:`dpzero_jax.sharding`): ``mesh``
+    as ``"data=2,fsdp=4"``; ``devices=N`` alone means ``data=1,fsdp=N``. On a CPU-only machine these are virtual
+    CPU devices, which must be requested before JAX starts (the CLI does this). None: one device, no mesh.
+    ``zero``: ZeRO stage 1, 2 or 3 (what is sharded over ``fsdp``); ``strategy``: ``"gspmd"`` (one ``jax.jit``
+    with shardings; XLA inserts the collectives).
+    ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute (inputs cast; layers compute in their input's
+    dtype with the fp32 master weights cast at use); norms, clip factors, the clipped sum, the noise and the
+    optimizer stay fp32, and there is no loss scaling.
+    ``peft``: "none" (every parameter trains), "lora", "bitfit" or "linear-probe" (:mod:`dpzero_jax.peft`);
+    ``lora_rank`` / ``lora_alpha`` / ``lora_targets`` (path patterns; None: every dense layer except the head);
+    ``peft_also_train``: patterns of parameters trained in full besides the method's (None: ``("head",)`` for LoRA
+    and BiTFiT, whose task head is new; ``()`` trains nothing more). Frozen parameters get no norm computation, no
+    gradient and no optimizer state; under a mesh they are replicated constants of the compiled step.
     """
 
     model: str = "mlp"
@@ -74,6 +98,7 @@ class TrainConfig:
     clip_fn: str = "abadi"
     groups: Any = "all-layer"
     mode: str = "auto"
+    norm_kernel: str = "auto"
     lr: float = 1e-2
     optimizer: str = "adam"
     weight_decay: float = 1e-4
@@ -82,6 +107,18 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
+    sampling: str = "poisson"
+    eval_every: int = 50
+    devices: int | None = None
+    mesh: str | None = None
+    zero: int = 3
+    strategy: str = "gspmd"
+    precision: str = "fp32"
+    peft: str = "none"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] | None = None
+    peft_also_train: tuple[str, ...] | None = None
     no_dp: bool = False
     progress: bool = True
     plot: bool = True
@@ -108,6 +145,11 @@ class TrainConfig:
             fail("mode", f"one of {MODES}", self.mode)
         if self.accountant not in accounting.ACCOUNTANTS:
             fail("accountant", f"one of {accounting.ACCOUNTANTS}", self.accountant)
+        if self.sampling not in SAMPLINGS:
+            fail("sampling", f"one of {SAMPLINGS}", self.sampling)
+        if self.sampling == "fixed-size" and self.accountant != "rdp" and not self.no_dp:
+            raise ValueError("TrainConfig.accountant must be 'rdp' with sampling='fixed-size': the PLD accountant "
+                             "does not support sampling without replacement")
         hidden = tuple(self.hidden) if isinstance(self.hidden, (list, tuple)) else self.hidden
         if not isinstance(hidden, tuple) or not all(is_int(h) and h > 0 for h in hidden):
             fail("hidden", "a tuple of positive ints", self.hidden)
@@ -117,11 +159,40 @@ class TrainConfig:
         for name in ("batch_size", "log_every", "keep_checkpoints"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(name, "an integer >= 1", getattr(self, name))
-        for name in ("checkpoint_every", "seed"):
+        for name in ("checkpoint_every", "seed", "eval_every"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 fail(name, "an integer >= 0", getattr(self, name))
         if self.steps is not None and (not is_int(self.steps) or self.steps < 1):
             fail("steps", "an integer >= 1 or None", self.steps)
+        if self.devices is not None and (not is_int(self.devices) or self.devices < 1):
+            fail("devices", "an integer >= 1 or None", self.devices)
+        if self.mesh is not None:
+            shape = sharding.parse_mesh(self.mesh)
+            if self.devices is not None and self.devices != shape.size:
+                raise ValueError(f"TrainConfig.devices={self.devices} does not match mesh {self.mesh!r} "
+                                 f"({shape.size} devices)")
+        if self.zero not in sharding.ZERO_STAGES:
+            fail("zero", f"one of {sharding.ZERO_STAGES}", self.zero)
+        if self.strategy not in STRATEGIES:
+            fail("strategy", f"one of {STRATEGIES}", self.strategy)
+        if self.precision not in PRECISIONS:
+            fail("precision", f"one of {tuple(PRECISIONS)}", self.precision)
+        if self.peft not in PEFT_METHODS:
+            fail("peft", f"one of {PEFT_METHODS}", self.peft)
+        if not is_int(self.lora_rank) or self.lora_rank < 1:
+            fail("lora_rank", "an integer >= 1", self.lora_rank)
+        if not is_num(self.lora_alpha) or self.lora_alpha <= 0:
+            fail("lora_alpha", "a finite number > 0", self.lora_alpha)
+        for name in ("lora_targets", "peft_also_train"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            if value is not None:
+                if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+                    fail(name, "a tuple of path patterns or None", getattr(self, name))
+                object.__setattr__(self, name, tuple(value))
+        if self.lora_targets is not None and self.peft != "lora":
+            raise ValueError(f"TrainConfig.lora_targets applies to peft='lora' only, not peft={self.peft!r}")
         if self.micro_batch_size is not None and (not is_int(self.micro_batch_size) or self.micro_batch_size < 1):
             fail("micro_batch_size", "an integer >= 1 or None", self.micro_batch_size)
         for name in ("epochs", "epsilon", "max_grad_norm", "lr"):
@@ -135,7 +206,7 @@ class TrainConfig:
             fail("noise_multiplier", "a finite number >= 0 or None", self.noise_multiplier)
         # the DP-specific fields are checked by DPConfig itself (groups, mode, ...)
         DPConfig(max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn, groups=self.groups, mode=self.mode,
-                 microbatch_size=self.micro_batch_size)
+                 microbatch_size=self.micro_batch_size, norm_kernel=self.norm_kernel)
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -161,19 +232,25 @@ class TrainResult:
     test_accuracy: float
     train_accuracy: float
     test_loss: float
-    epsilon: float | None          # None for no_dp (no guarantee)
+    epsilon: float | None          # None without a formal guarantee (no_dp, shuffled epochs)
     delta: float
     steps: int
     noise_multiplier: float | None
     sampling_rate: float
     runtime_s: float
     out: str
+    sampling: str = "poisson"
     params: Any = dataclasses.field(repr=False, default=None)
+    opt_state: Any = dataclasses.field(repr=False, default=None)
     history: list = dataclasses.field(repr=False, default_factory=list)
 
     def summary(self) -> str:
-        privacy = ("no privacy guarantee (--no-dp)" if self.epsilon is None else
-                   f"epsilon {self.epsilon:.3f} at delta {self.delta:g} (sigma {self.noise_multiplier:.4f})")
+        if self.noise_multiplier is None:
+            privacy = "no privacy guarantee (--no-dp)"
+        elif self.epsilon is None:
+            privacy = f"sigma {self.noise_multiplier:.4f} but NO formal guarantee ({self.sampling} sampling)"
+        else:
+            privacy = f"epsilon {self.epsilon:.3f} at delta {self.delta:g} (sigma {self.noise_multiplier:.4f})"
         return (f"test accuracy {100 * self.test_accuracy:.2f}%  train accuracy {100 * self.train_accuracy:.2f}%  "
                 f"{privacy}  steps {self.steps}  q {self.sampling_rate:.4f}  time {self.runtime_s:.1f}s")
 
@@ -188,6 +265,36 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs) -> nnx.Module:
     return models.ViT(models.ViTConfig(image_size=size, patch_size=2, num_channels=channels, hidden_size=64,
                                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                                        num_classes=num_classes), rngs=rngs)
+
+
+def _apply_peft(cfg: TrainConfig, model: nnx.Module, key: jax.Array):
+    """``(model, trainable filter)`` for ``cfg.peft`` (LoRA adapters drawn from ``key``)."""
+    if cfg.peft == "none":
+        return peft.apply(model, "full")
+    also_train = cfg.peft_also_train
+    if also_train is None:
+        also_train = ("head",) if cfg.peft in ("lora", "bitfit") else ()
+    options = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets, "key": key} \
+        if cfg.peft == "lora" else {}
+    return peft.apply(model, cfg.peft, also_train=also_train, **options)
+
+
+def _make_mesh(cfg: TrainConfig):
+    """The ``("data", "fsdp")`` mesh of ``cfg`` (None: one device, no mesh)."""
+    if cfg.mesh is None and cfg.devices is None:
+        return None
+    shape = sharding.parse_mesh(cfg.mesh) if cfg.mesh is not None else sharding.MeshShape(data=1, fsdp=cfg.devices)
+    try:  # only possible before JAX's first operation; the CLI calls this early
+        if jax.config.jax_num_cpu_devices < shape.size:
+            jax.config.update("jax_num_cpu_devices", shape.size)
+    except RuntimeError:
+        pass
+    available = jax.devices()
+    if shape.size > len(available):
+        raise ValueError(f"devices={shape.size} but only {len(available)} {available[0].platform} device(s) exist; "
+                         f"on a CPU, request virtual devices before JAX starts (the dpzero CLI does; in Python call "
+                         f"jax.config.update('jax_num_cpu_devices', {shape.size}) right after importing jax)")
+    return sharding.make_mesh(shape, available)
 
 
 def _make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -210,14 +317,36 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.out = Path(cfg.out)
+        self.mesh = _make_mesh(cfg)
+        self.rules = None if self.mesh is None else sharding.ShardingRules(self.mesh, cfg.zero)
         self.train_data, self.test_data = load_dataset(cfg.dataset, seed=0)
         n = self.train_data["label"].shape[0]
         if cfg.batch_size > n:
             raise ValueError(f"batch_size={cfg.batch_size} exceeds the training set size {n}")
         self.dataset_size = n
         self.sampling_rate = cfg.batch_size / n
-        self.steps = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs / self.sampling_rate))
-        self.sampler = PoissonSampler(n, self.sampling_rate)
+        root = jax.random.key(cfg.seed)
+        self.init_key = jax.random.fold_in(root, 1)
+        self.shuffle_key = jax.random.fold_in(root, 2)
+        n_devices = 1 if self.mesh is None else self.mesh.size
+        if cfg.sampling == "shuffled":
+            self.sampler = ShuffledEpochs(n, cfg.batch_size)  # warns: no formal guarantee
+            default_steps = math.ceil(cfg.epochs * self.sampler.steps_per_epoch)
+        else:
+            default_steps = math.ceil(cfg.epochs / self.sampling_rate)
+        self.steps = cfg.steps if cfg.steps is not None else max(1, default_steps)
+        calibration_delta = cfg.delta
+        if cfg.sampling == "poisson":
+            # overflow probability small enough that its charge to delta is at most 1e-3 * delta (accounting doc)
+            charge = cfg.delta * 1e-3 / (self.steps * (1.0 + math.exp(min(cfg.epsilon, 700.0))))
+            self.sampler = PoissonSampler(n, self.sampling_rate, overflow_target=min(charge, 1e-9),
+                                          capacity_multiple=n_devices)
+            calibration_delta = cfg.delta - self.steps * self.sampler.truncation_probability * (
+                1.0 + math.exp(min(cfg.epsilon, 700.0)))
+        elif cfg.sampling == "fixed-size":
+            self.sampler = FixedSizeSampler(n, cfg.batch_size)
+        slots = self.sampler.capacity if cfg.sampling == "poisson" else cfg.batch_size
+        self.slots = -(-slots // n_devices) * n_devices  # every device gets the same number of slots
 
         if cfg.no_dp:
             self.noise_multiplier = None
@@ -227,19 +356,26 @@ class Trainer:
             absl_logger = logging.getLogger("absl")  # the RDP bracket of calibrate_noise warns about low orders
             level = absl_logger.level
             absl_logger.setLevel(logging.ERROR)
+            fixed = cfg.sampling == "fixed-size"
             try:
-                self.noise_multiplier = accounting.calibrate_noise(cfg.epsilon, self.sampling_rate, self.steps,
-                                                                   cfg.delta, accountant=cfg.accountant)
+                self.noise_multiplier = accounting.calibrate_noise(
+                    cfg.epsilon, self.sampling_rate, self.steps, calibration_delta, accountant=cfg.accountant,
+                    sampling="fixed-size" if fixed else "poisson", dataset_size=n if fixed else None)
             finally:
                 absl_logger.setLevel(level)
 
-        root = jax.random.key(cfg.seed)
         model = _make_model(cfg, self.train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)))
-        self.init_params, loss_fn = models.classification_objective(model)
-        _, apply_fn = models.logits_fn(model)
-        self.init_key = jax.random.fold_in(root, 1)
+        model, trainable = _apply_peft(cfg, model, jax.random.fold_in(root, 3))
+        self.trainable = trainable
+        self.init_params, loss_fn = models.classification_objective(model, trainable=trainable)
+        _, apply_fn = models.logits_fn(model, trainable=trainable)
         self.tx = _make_optimizer(cfg)
         self._build_step(loss_fn, apply_fn)
+
+    @property
+    def formal_guarantee(self) -> bool:
+        """True when the run's epsilon is a formal (epsilon, delta) guarantee (DP on, Poisson or fixed-size)."""
+        return not self.config.no_dp and self.config.sampling != "shuffled"
 
     # ---------------------------------------------------------------- compiled functions
     def _build_step(self, loss_fn, apply_fn):
@@ -255,35 +391,105 @@ class Trainer:
         else:
             dp_cfg = DPConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=cfg.max_grad_norm,
                               clip_fn=cfg.clip_fn, groups=cfg.groups, mode=cfg.mode,
-                              expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size)
+                              expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
+                              norm_kernel=cfg.norm_kernel, noise_rng="partitionable")
             private = private_value_and_grad(loss_fn, dp_cfg)
 
             def gradient(params, batch, key, mask):
                 losses, grads, _ = private(params, batch, key, mask)
                 return losses, grads
 
+        compute_dtype = PRECISIONS[cfg.precision]
+        grad_shardings = None if self.rules is None else self.rules.grads(self.init_params)
+
         def step(params, opt_state, batch, noise_key, mask):
+            batch = {**batch, "image": batch["image"].astype(compute_dtype)}
             losses, grads = gradient(params, batch, noise_key, mask)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # fp32 master gradient
+            if grad_shardings is not None:  # the ZeRO stage's gradient layout (reduce-scatter to the owners)
+                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             w = mask.astype(jnp.float32)
             count = jnp.maximum(jnp.sum(w), 1.0)
-            loss = jnp.sum(jnp.where(mask, losses, 0.0)) / count
+            loss = jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / count
             correct = jnp.argmax(apply_fn(params, batch["image"]), -1) == batch["label"]  # after the update
             return params, opt_state, loss, jnp.sum(correct * w) / count
 
         def evaluate(params, images, labels):
-            logits = apply_fn(params, images).astype(jnp.float32)
+            logits = apply_fn(params, images.astype(compute_dtype)).astype(jnp.float32)
             loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
             return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
 
-        self._step = jax.jit(step, donate_argnums=(0, 1))
+        if self.rules is None:
+            self._step = jax.jit(step, donate_argnums=(0, 1))
+        else:  # GSPMD: one jit with the ZeRO stage's shardings; XLA inserts all-gathers and reduce-scatters
+            rules = self.rules
+            opt_shape = jax.eval_shape(tx.init, self.init_params)
+            batch_shape = {k: v[:1] for k, v in self.train_data.items()}
+            self._param_shardings = rules.params(self.init_params)
+            self._opt_shardings = rules.opt_state(opt_shape)
+            self._step = jax.jit(step, donate_argnums=(0, 1),
+                                 in_shardings=(self._param_shardings, self._opt_shardings, rules.batch(batch_shape),
+                                               rules.replicated, rules.batch(0)),
+                                 out_shardings=(self._param_shardings, self._opt_shardings, rules.replicated,
+                                                rules.replicated))
         self._evaluate = jax.jit(evaluate)
+
+    def _place(self, params, opt_state):
+        """Fresh device copies (the step donates its inputs), laid out as the ZeRO stage says if there is a mesh."""
+        if self.rules is None:
+            return jax.tree.map(jnp.array, params), jax.tree.map(jnp.array, opt_state)
+        return (jax.device_put(jax.tree.map(np.asarray, params), self._param_shardings),
+                jax.device_put(jax.tree.map(np.asarray, opt_state), self._opt_shardings))
+
+    def lower_step(self):
+        """The jitted training step lowered on abstract arguments of the real shapes and shardings (inspect its
+        HLO, collectives or ``.compile().memory_analysis()``; nothing runs)."""
+        params, opt_state = self.init_params, jax.eval_shape(self.tx.init, self.init_params)
+        if self.rules is not None:
+            params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), params,
+                                  self._param_shardings)
+            opt_state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), opt_state,
+                                     self._opt_shardings)
+        batch = {k: jax.ShapeDtypeStruct((self.slots,) + v.shape[1:], v.dtype) for k, v in self.train_data.items()}
+        mask = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)
+        return self._step.lower(params, opt_state, batch, self.step_keys(0)[1], mask)
 
     def step_keys(self, step: int):
         """``(sample_key, noise_key)`` of step ``step``: a pure function of (seed, step)."""
         sample_key, noise_key = jax.random.split(jax.random.fold_in(self.init_key, step))
         return sample_key, noise_key
+
+    def sample(self, step: int):
+        """The batch of step ``step`` (a :class:`~dpzero_jax.sampling.Batch` padded to ``self.slots``)."""
+        sample_key, _ = self.step_keys(step)
+        if self.config.sampling == "shuffled":  # one permutation per epoch from a fixed base key
+            batch = self.sampler.sample(self.shuffle_key, step)
+        else:
+            batch = self.sampler.sample(sample_key)
+        pad = self.slots - batch.indices.shape[0]
+        if pad:
+            batch = dataclasses.replace(batch, indices=np.concatenate([batch.indices, np.zeros(pad, np.int32)]),
+                                        mask=np.concatenate([batch.mask, np.zeros(pad, bool)]))
+        return batch
+
+    def _record(self, ledger: accounting.PrivacyLedger, step: int, batch) -> None:
+        """Charge step ``step`` to the ledger (nothing for no_dp and for shuffled epochs, which have no event)."""
+        cfg = self.config
+        if not self.formal_guarantee:
+            return
+        if cfg.sampling == "poisson":
+            ledger.record(self.noise_multiplier, self.sampling_rate,
+                          truncation_probability=self.sampler.truncation_probability)
+            if batch.overflowed:
+                ledger.record_overflow(step)
+        else:
+            ledger.record(self.noise_multiplier, sampling="fixed-size", dataset_size=self.dataset_size,
+                          batch_size=cfg.batch_size)
+
+    def _epsilon(self, ledger: accounting.PrivacyLedger) -> float | None:
+        return ledger.epsilon(self.config.delta, self.config.accountant) if self.formal_guarantee else None
 
     # ---------------------------------------------------------------- checkpoints
     def _manager(self, read_only: bool = False):
@@ -303,6 +509,24 @@ class Trainer:
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                      force=True)
         manager.wait_until_finished()
+
+    def _check_same_run(self, saved: dict) -> None:
+        """Refuse to resume a checkpoint written by a different run (a mixed run would match neither config).
+
+        Only presentation options, ``devices`` and -- when sigma does not depend on the planned length (explicit
+        ``noise_multiplier`` or ``no_dp``) -- ``steps`` / ``epochs`` may change.
+        """
+        cfg = self.config
+        current = _jsonable(cfg.to_dict())
+        allowed = set(RESUMABLE_CHANGES)
+        if cfg.noise_multiplier is not None or cfg.no_dp:
+            allowed |= {"steps", "epochs"}
+        changed = sorted(k for k in current.keys() | saved.keys()
+                         if k not in allowed and current.get(k) != saved.get(k))
+        if changed:
+            details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+            raise ValueError(f"cannot resume from {self.out / 'checkpoints'}: it was written with different "
+                             f"options ({details}); use the original options or another --out")
 
     def _restore(self, params, opt_state):
         """Newest checkpoint that restores cleanly -> (step, params, opt_state, ledger); None if there is none."""
@@ -328,12 +552,14 @@ class Trainer:
                     if not np.array_equal(np.asarray(state["key"]), np.asarray(jax.random.key_data(self.init_key))):
                         raise ValueError("checkpoint was written with a different seed")
                     ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
+                    saved_config = meta["config"]
                 except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
                     errors.append(f"step {step}: {type(error).__name__}: {error}")
                     skipped.append(step)
                     warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
                                   stacklevel=3)
                     continue
+                self._check_same_run(saved_config)
                 params, opt_state = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in state["leaves"]])
                 found = step, params, opt_state, ledger
                 break
@@ -370,9 +596,7 @@ class Trainer:
         elif (self.out / "checkpoints").exists() and any((self.out / "checkpoints").iterdir()):
             raise FileExistsError(f"{self.out / 'checkpoints'} already holds checkpoints; use resume=True "
                                   f"(--resume) or another output directory (--out)")
-        # private arrays: the step donates its inputs
-        params = jax.tree.map(jnp.array, params)
-        opt_state = jax.tree.map(jnp.array, opt_state)
+        params, opt_state = self._place(params, opt_state)
         end = self.steps if stop_at is None else min(self.steps, stop_at)
 
         metrics_path = self.out / "metrics.jsonl"
@@ -382,30 +606,37 @@ class Trainer:
         manager = self._manager() if cfg.checkpoint_every else None
         bar = tqdm(total=self.steps, initial=start, disable=not cfg.progress, desc="dp" if not cfg.no_dp else "non-dp",
                    dynamic_ncols=True)
-        loss = acc = jnp.zeros(())
+        test_acc = None
         try:
             with open(metrics_path, "a") as metrics_file:
                 for step in range(start, end):
-                    sample_key, noise_key = self.step_keys(step)
-                    batch_info = self.sampler.sample(sample_key)
-                    if batch_info.overflowed:  # P ~ 1e-9 per step; truncation is not exact Poisson sampling
+                    _, noise_key = self.step_keys(step)
+                    batch_info = self.sample(step)
+                    if batch_info.overflowed:  # charged to delta through the ledger's truncation probability
                         warnings.warn(f"step {step}: Poisson batch of {batch_info.num_selected} truncated to "
-                                      f"capacity {self.sampler.capacity}; the accounting of this step is "
-                                      f"approximate", RuntimeWarning, stacklevel=2)
+                                      f"capacity {self.sampler.capacity} (probability "
+                                      f"{self.sampler.overflow_probability:.2g}); recorded in the privacy ledger",
+                                      RuntimeWarning, stacklevel=2)
                     batch = gather(self.train_data, batch_info.indices)
                     params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, batch_info.mask)
                     if not cfg.no_dp:
-                        ledger.record(self.noise_multiplier, self.sampling_rate)
+                        self._record(ledger, step, batch_info)
                     done = step + 1
                     bar.update(1)
-                    if done % cfg.log_every == 0 or done == end:
-                        eps = None if cfg.no_dp else ledger.epsilon(cfg.delta, cfg.accountant)
-                        row = {"step": done, "loss": float(loss), "accuracy": float(acc), "epsilon": eps,
-                               "batch_size": int(batch_info.realised_size)}
+                    evaluate = (cfg.eval_every and done % cfg.eval_every == 0) or done == self.steps
+                    if done % cfg.log_every == 0 or done == end or evaluate:
+                        row = {"step": done, "loss": float(loss), "accuracy": float(acc),
+                               "epsilon": self._epsilon(ledger), "batch_size": int(batch_info.realised_size)}
+                        if evaluate:
+                            test_loss, test_acc = self._evaluate(params, self.test_data["image"],
+                                                                 self.test_data["label"])
+                            row.update(test_loss=float(test_loss), test_accuracy=float(test_acc))
                         history.append(row)
                         metrics_file.write(json.dumps(row) + "\n")
                         metrics_file.flush()
+                        eps = row["epsilon"]
                         bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
+                                        **({} if test_acc is None else {"test_acc": f"{float(test_acc):.3f}"}),
                                         eps="n/a" if eps is None else f"{eps:.2f}")
                     if manager is not None and (done % cfg.checkpoint_every == 0 or done == end):
                         self._save(manager, done, params, opt_state, ledger)
@@ -416,13 +647,15 @@ class Trainer:
 
         test_loss, test_acc = self._evaluate(params, self.test_data["image"], self.test_data["label"])
         _, train_acc = self._evaluate(params, self.train_data["image"], self.train_data["label"])
-        final_eps = None if cfg.no_dp else ledger.epsilon(cfg.delta, cfg.accountant)
         result = TrainResult(test_accuracy=float(test_acc), train_accuracy=float(train_acc),
-                             test_loss=float(test_loss), epsilon=final_eps, delta=cfg.delta, steps=ledger.steps
-                             if not cfg.no_dp else end, noise_multiplier=self.noise_multiplier,
+                             test_loss=float(test_loss), epsilon=self._epsilon(ledger), delta=cfg.delta,
+                             steps=end, noise_multiplier=self.noise_multiplier,
                              sampling_rate=self.sampling_rate, runtime_s=time.perf_counter() - start_time,
-                             out=str(self.out), params=params, history=history)
-        summary = {k: v for k, v in dataclasses.asdict(result).items() if k not in ("params", "history")}
+                             out=str(self.out), sampling=cfg.sampling, params=params, opt_state=opt_state,
+                             history=history)
+        summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
+                   if f.name not in ("params", "opt_state", "history")}
+        summary["ledger"] = ledger.to_dict()
         (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
         if cfg.plot and history:
             _plot(history, self.out / "training.png")

@@ -160,3 +160,45 @@ def test_ledger_fixed_size():
 def test_bad_inputs_raise(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def _replace_one_rdp(sigma, n, m, steps, delta):
+    a = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    a.compose(dp_accounting.SampledWithoutReplacementDpEvent(n, m, dp_accounting.GaussianDpEvent(sigma / 2)), steps)
+    return a.get_epsilon(delta)
+
+
+def test_fixed_size_epsilon_and_calibration():
+    n, m, steps = 1000, 50, 300
+    got = acc.epsilon(3.0, m / n, steps, DELTA, "rdp", sampling="fixed-size", dataset_size=n)
+    assert got == pytest.approx(_replace_one_rdp(3.0, n, m, steps, DELTA), rel=1e-9)
+    sigma = acc.calibrate_noise(2.0, m / n, steps, DELTA, "rdp", sampling="fixed-size", dataset_size=n)
+    assert _replace_one_rdp(sigma, n, m, steps, DELTA) <= 2.0
+    assert _replace_one_rdp(sigma * 0.99, n, m, steps, DELTA) > 2.0
+    with pytest.raises(ValueError, match="PLD"):
+        acc.calibrate_noise(2.0, m / n, steps, DELTA, sampling="fixed-size", dataset_size=n)
+    with pytest.raises(ValueError, match="whole batch size"):
+        acc.epsilon(3.0, 0.0123456, steps, DELTA, "rdp", sampling="fixed-size", dataset_size=n)
+
+
+def test_truncation_is_charged_to_delta():
+    sigma, q, steps, eta = 1.0, 0.01, 500, 1e-10
+    ledger = acc.PrivacyLedger()
+    ledger.record(sigma, q, steps=steps, truncation_probability=eta)
+    ledger.record_overflow(17)
+    eps = ledger.epsilon(DELTA)
+    # the certificate: the untruncated mechanism is (eps, delta0)-DP with delta0 = delta - (1 + e^eps) * T * eta
+    delta0 = DELTA - (1 + math.exp(eps)) * steps * eta
+    assert direct(sigma, q, steps, delta0, "pld") <= eps
+    assert eps >= direct(sigma, q, steps, DELTA, "pld")
+    assert eps == pytest.approx(direct(sigma, q, steps, DELTA, "pld"), rel=1e-2)  # the slack costs little here
+    restored = acc.PrivacyLedger.from_json(ledger.to_json())
+    assert restored == ledger and restored.overflowed_steps == [17]
+    tiny = acc.PrivacyLedger()  # a truncation mass far below delta (the trainer's case): certified in one call
+    tiny.record(sigma, q, steps=steps, truncation_probability=1e-15)
+    eps_tiny = tiny.epsilon(DELTA)
+    assert direct(sigma, q, steps, DELTA - (1 + math.exp(eps_tiny)) * steps * 1e-15, "pld") <= eps_tiny
+    assert eps_tiny == pytest.approx(direct(sigma, q, steps, DELTA, "pld"), rel=1e-3)
+    hopeless = acc.PrivacyLedger()
+    hopeless.record(sigma, q, steps=steps, truncation_probability=1e-7)  # T * eta = 5e-5 > delta
+    assert hopeless.epsilon(DELTA) == math.inf

@@ -45,3 +45,12 @@ def test_python_dash_m_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "dpzero_jax", "privacy", "--noise-multiplier", "1.0",
                           "--sampling-rate", "0.01", "--steps", "100"], capture_output=True, text=True, check=True)
     assert "epsilon =" in out.stdout
+
+
+def test_plan_command_prints_per_device_bytes(capsys):
+    assert main(["plan", "--model", "gpt2-xl", "--devices", "8", "--batch", "16", "--seq", "1024",
+                 "--precision", "bf16", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state" in out and "12 (master, m, v) x Psi / N" in out
+    assert main(["plan", "--model", "gpt2-xl", "--devices", "8"]) == 2
+    assert "--batch is required" in capsys.readouterr().err

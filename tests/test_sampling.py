@@ -107,11 +107,16 @@ def test_truncation_is_uniform_subset():
 @pytest.mark.parametrize("n,q", [(200, 0.1), (60000, 0.004), (10, 0.5), (1, 1.0), (1000, 1.0), (10**6, 1e-5)])
 def test_default_capacity_meets_overflow_target(n, q):
     s = PoissonSampler(n, q)
-    assert 1 <= s.capacity <= n
-    assert stats.binom.sf(s.capacity, n, q) <= 1e-9
+    assert 1 <= s.capacity <= n + 1
+    # the target is met on the larger neighbouring dataset (N + 1), which the ledger charges
+    assert stats.binom.sf(s.capacity, n + 1, q) <= 1e-9
     assert s.overflow_probability == pytest.approx(stats.binom.sf(s.capacity, n, q))
+    assert s.truncation_probability == pytest.approx(stats.binom.sf(s.capacity, n + 1, q))
     if s.capacity > 1:  # minimal
-        assert stats.binom.sf(s.capacity - 1, n, q) > 1e-9
+        assert stats.binom.sf(s.capacity - 1, n + 1, q) > 1e-9
+    tight = PoissonSampler(n, q, overflow_target=1e-13, capacity_multiple=8)
+    assert tight.capacity % 8 == 0 and stats.binom.sf(tight.capacity, n + 1, q) <= 1e-13
+    assert tight.capacity - 8 < s.capacity or stats.binom.sf(tight.capacity - 8, n + 1, q) > 1e-13
 
 
 def test_fixed_size_sampler():

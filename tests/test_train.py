@@ -17,9 +17,9 @@ def _rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _assert_same_params(a, b):
+def _assert_same_params(a, b, rtol=1e-6, atol=1e-7):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +123,115 @@ def test_bad_config_file_is_one_line_error(tmp_path, capsys):
     assert main(["train", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "stepz" in err and len(err.splitlines()) == 1
+
+
+def test_data_parallel_devices_match_one_device(tmp_path):
+    # SGD: Adam's m / sqrt(v) would amplify the float reordering of cross-device sums on near-zero gradients
+    base = dict(TINY, steps=6, checkpoint_every=0, optimizer="sgd", lr=0.1)
+    single = Trainer(TrainConfig(out=str(tmp_path / "1"), **base)).run()
+    for devices in (2, 4):
+        sharded = Trainer(TrainConfig(out=str(tmp_path / str(devices)), devices=devices, **base)).run()
+        _assert_same_params(sharded.params, single.params, rtol=1e-5, atol=1e-6)
+        assert sharded.epsilon == pytest.approx(single.epsilon, rel=1e-3)  # the capacity is rounded per device
+    with pytest.raises(ValueError, match="devices=64 but only"):
+        Trainer(TrainConfig(out=str(tmp_path / "x"), devices=64, **TINY))
+
+
+def test_periodic_evaluation_rows(tmp_path):
+    Trainer(TrainConfig(out=str(tmp_path), eval_every=7, **{**TINY, "checkpoint_every": 0})).run()
+    rows = {r["step"]: r for r in _rows(tmp_path)}
+    assert sorted(rows) == [5, 7, 10, 14, 15, 20]
+    assert all(("test_accuracy" in r) == (s in (7, 14, 20)) for s, r in rows.items())
+    assert 0 <= rows[20]["test_accuracy"] <= 1
+
+
+def test_fixed_size_sampling_is_accounted_replace_one(tmp_path):
+    import dp_accounting
+    from dp_accounting import rdp
+
+    cfg = TrainConfig(out=str(tmp_path), sampling="fixed-size", accountant="rdp", **{**TINY, "checkpoint_every": 0})
+    trainer = Trainer(cfg)
+    result = trainer.run()
+    assert all(r["batch_size"] == 64 for r in _rows(tmp_path))
+    a = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    inner = dp_accounting.GaussianDpEvent(result.noise_multiplier / 2)
+    a.compose(dp_accounting.SampledWithoutReplacementDpEvent(trainer.dataset_size, 64, inner), 20)
+    assert result.epsilon == pytest.approx(a.get_epsilon(cfg.delta), rel=1e-9) and result.epsilon <= 3.0
+    with pytest.raises(ValueError, match="accountant must be 'rdp'"):
+        TrainConfig(sampling="fixed-size")
+
+
+def test_shuffled_epochs_warn_and_claim_no_epsilon(tmp_path):
+    with pytest.warns(UserWarning, match="no formal DP guarantee"):
+        trainer = Trainer(TrainConfig(out=str(tmp_path), sampling="shuffled", **{**TINY, "checkpoint_every": 0}))
+    result = trainer.run()
+    assert result.epsilon is None and result.noise_multiplier > 0
+    assert all(r["epsilon"] is None for r in _rows(tmp_path))
+    assert "NO formal guarantee" in result.summary()
+
+
+def test_truncated_batches_are_recorded_and_charged(tmp_path):
+    from dpzero_jax.sampling import PoissonSampler
+
+    trainer = Trainer(TrainConfig(out=str(tmp_path), **{**TINY, "steps": 3, "checkpoint_every": 0}))
+    trainer.sampler = PoissonSampler(trainer.dataset_size, trainer.sampling_rate, capacity=40)  # mean batch is 64
+    trainer.slots = 40
+    with pytest.warns(RuntimeWarning, match="truncated to capacity 40"):
+        result = trainer.run()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ledger"]["overflowed_steps"] == [0, 1, 2]
+    assert summary["ledger"]["events"][0]["truncation_probability"] > 0.99
+    assert result.epsilon == float("inf")  # a mechanism that nearly always truncates certifies nothing
+
+
+def test_resume_refuses_changed_options(uninterrupted, tmp_path):
+    full_out, _ = uninterrupted
+    shutil.copytree(full_out / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(ValueError, match=r"different options \(lr: 0.01 -> 0.02\)"):
+        Trainer(TrainConfig(out=str(tmp_path), **{**TINY, "lr": 0.02})).run(resume=True)
+    # presentation options may change
+    resumed = Trainer(TrainConfig(out=str(tmp_path), **{**TINY, "log_every": 4})).run(resume=True)
+    assert resumed.steps == 20
+
+
+def test_vit_model_trains(tmp_path):
+    result = Trainer(TrainConfig(out=str(tmp_path), model="vit", **{**TINY, "steps": 3, "checkpoint_every": 0,
+                                                                      "lr": 1e-3})).run()
+    assert result.steps == 3 and np.isfinite(result.test_loss) and result.epsilon > 0
+
+
+def test_cli_devices_and_sampling_flags(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["train", "--steps", "3", "--batch-size", "32", "--devices", "2", "--sampling", "fixed-size",
+                 "--accountant", "rdp", "--checkpoint-every", "0", "--out", str(out), "--no-progress"]) == 0
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["config"]["devices"] == 2 and saved["ledger"]["events"][0]["sampling"] == "fixed-size"
+    assert main(["train", "--sampling", "fixed-size", "--out", str(tmp_path / "o")]) == 2
+    assert "accountant must be 'rdp'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, trained", [("linear-probe", {"head/bias", "head/kernel"}),
+                                             ("bitfit", {"layers/0/bias", "head/bias", "head/kernel"})])
+def test_peft_trains_only_the_selected_parameters(tmp_path, method, trained):
+    """PEFT through the trainer: the parameters it optimises are the method's (plus the new head for BiTFiT), the
+    frozen hidden kernel is untouched, and the private run still learns (above chance)."""
+    cfg = TrainConfig(out=str(tmp_path), peft=method, **{**TINY, "checkpoint_every": 0})
+    trainer = Trainer(cfg)
+    names = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+             for path, _ in jax.tree_util.tree_leaves_with_path(trainer.init_params)}
+    names = {name.removesuffix("/.value") for name in names}
+    assert names == trained
+    result = trainer.run()
+    assert result.test_accuracy > 0.3
+
+
+def test_peft_lora_through_the_cli(tmp_path, capsys):
+    assert main(["train", "--steps", "10", "--batch-size", "64", "--peft", "lora", "--lora-rank", "2",
+                 "--lora-targets", "layers/0", "--peft-also-train", "none", "--out", str(tmp_path),
+                 "--no-progress", "--checkpoint-every", "0"]) == 0
+    epsilon = float(capsys.readouterr().out.split("epsilon ")[1].split()[0])
+    assert 2.9 < epsilon <= 3.0
+    with pytest.raises(ValueError, match="lora_targets applies to peft='lora' only"):
+        TrainConfig(peft="bitfit", lora_targets=("head",))
+    with pytest.raises(ValueError, match="TrainConfig.peft must be"):
+        TrainConfig(peft="prefix")

@@ -7,6 +7,9 @@ A rule is an object with
   for an absent parameter such as a disabled bias);
 * ``per_example_grads(params, x, g, spec) -> {name: Outer | Direct}``: the factored per-example gradient of each
   present parameter from the layer input ``x`` and the output gradient ``g = dL_i/dy``;
+* ``input_free``: the names of the parameters whose per-example gradient is a function of ``g`` alone (biases:
+  ``sum_t g_t``). When only such parameters are trainable the engine does not keep ``x``: ``per_example_grads`` is
+  then called with ``x=None`` and returns those parameters only (see :func:`needs_input`);
 
 and from these two the registry derives, for any rule, ``sq_norm(a, g)`` and ``clipped_grad(a, g, c)``
 (see :func:`sq_norms` and :func:`clipped_grads`). Inputs always carry the batch axis first: ``x [B, ...]``.
@@ -41,6 +44,7 @@ from dpzero_jax.sketch import finite_zero
 
 class LayerRule(Protocol):
     name: str
+    input_free: frozenset[str]
 
     def apply(self, params: Mapping[str, jax.Array | None], x: jax.Array, spec: Any) -> jax.Array: ...
 
@@ -79,6 +83,11 @@ def input_grad(rule: LayerRule, params, saved, g, spec):
         return None
     _, pullback = jax.vjp(lambda x_: rule.apply(params, x_, spec), saved)
     return pullback(g)[0]
+
+
+def needs_input(rule: LayerRule, trainable_names) -> bool:
+    """Whether the per-example gradients of the parameters ``trainable_names`` of one call need the layer input."""
+    return any(name not in rule.input_free for name in trainable_names)
 
 
 def sq_norms(rule: LayerRule, params, x, g, spec, method: str = "mixed") -> dict[str, jax.Array]:

@@ -14,6 +14,7 @@ from dpzero_jax.pergrad import Outer
 
 class EmbedRule:
     name = "embed"
+    input_free = frozenset()
 
     def apply(self, params, ids, spec):
         table = params["table"]

@@ -32,6 +32,7 @@ def _shapes(kernel_shape, spec: LinearSpec):
 
 class LinearRule:
     name = "linear"
+    input_free = frozenset({"bias"})
 
     def apply(self, params, x, spec: LinearSpec):
         kernel, bias = params["kernel"], params.get("bias")
@@ -51,13 +52,14 @@ class LinearRule:
         return y
 
     def per_example_grads(self, params, x, g, spec: LinearSpec):
+        """``x`` may be ``None`` (only the bias is trainable): then only the bias gradient is returned."""
         kernel = params["kernel"]
         in_shape, out_shape = _shapes(kernel.shape, spec)
-        batch = x.shape[0]
-        a = x.reshape(batch, -1, math.prod(in_shape))
+        batch = g.shape[0]
         g = g.reshape(batch, -1, math.prod(out_shape))
         grads = {}
-        if kernel is not None:
+        if x is not None:
+            a = x.reshape(batch, -1, math.prod(in_shape))
             if spec.transpose:
                 grads["kernel"] = Outer(left=g, right=a, rows=g.shape[-1], shape=tuple(kernel.shape))
             else:

@@ -33,6 +33,7 @@ def normalize(x, spec: NormSpec):
 
 class NormRule:
     name = "norm"
+    input_free = frozenset({"bias"})
 
     def apply(self, params, x, spec: NormSpec):
         scale, bias = params.get("scale"), params.get("bias")
@@ -47,10 +48,11 @@ class NormRule:
         return y.astype(x.dtype)
 
     def per_example_grads(self, params, x, g, spec: NormSpec):
-        batch, features = x.shape[0], x.shape[-1]
+        """``x`` may be ``None`` (only the bias is trainable): then only the bias gradient is returned."""
+        batch, features = g.shape[0], g.shape[-1]
         g32 = g.astype(jnp.float32).reshape(batch, -1, features)
         grads = {}
-        if params.get("scale") is not None:
+        if x is not None and params.get("scale") is not None:
             xhat = normalize(x, spec).reshape(batch, -1, features)
             grads["scale"] = Direct(jnp.sum(g32 * xhat, axis=1))
         if params.get("bias") is not None:

@@ -49,6 +49,7 @@ def positions_view(x: jax.Array, n_in: int) -> jax.Array:
 
 class RMMLinearRule:
     name = "rmm_linear"
+    input_free = frozenset({"bias"})
 
     def apply(self, params, x, spec: RMMSpec):
         return LINEAR.apply(params, x, LinearSpec(n_in=spec.n_in))
@@ -73,13 +74,17 @@ class RMMLinearRule:
         return dx.reshape(lead + in_shape).astype(saved.dtype)
 
     def per_example_grads(self, params, saved, g, spec: RMMSpec):
-        """``saved = S^T a [B, k, F]`` (from :meth:`residual`), ``g [B, *T, *out]``."""
+        """``saved = S^T a [B, k, F]`` (from :meth:`residual`), ``g [B, *T, *out]``. ``saved`` may be ``None``
+        (only the bias is trainable, nothing of the input was kept): then only the bias gradient is returned."""
         kernel = params["kernel"]
         _, out_shape = _split_kernel(kernel.shape, spec.n_in)
-        batch, k, features = saved.shape
+        batch = g.shape[0]
         g2 = g.reshape(batch, -1, math.prod(out_shape))
-        grads = {"kernel": Outer(left=saved, right=project(params["key"], g2, k, spec.config.sketch),
-                                 rows=features, shape=tuple(kernel.shape))}
+        grads = {}
+        if saved is not None:
+            k, features = saved.shape[1:]
+            grads["kernel"] = Outer(left=saved, right=project(params["key"], g2, k, spec.config.sketch),
+                                    rows=features, shape=tuple(kernel.shape))
         if params.get("bias") is not None:
             grads["bias"] = Direct(jnp.sum(g2, axis=1, dtype=jnp.float32).reshape((batch,) + out_shape))
         return grads

@@ -1,0 +1,298 @@
+"""The memory planner against independent references: textbook parameter counts, counts of built models, the ZeRO
+paper's formulas, and XLA's compiled memory analysis of real (abstractly traced, never run) steps.
+
+What is compared with compiled figures, and how closely (XLA:CPU, jax 0.10.2):
+
+* parameters + optimizer state == the per-device argument bytes of a compiled Adam step (less batch, key and Adam's
+  step counter), on 1 device and ZeRO-3-sharded over 4 devices -- exact;
+* gradients == the per-device output bytes of a compiled ``jax.grad`` -- exact;
+* each dense weight's per-example norm buffer == the compiled scratch of the engine's norm of that weight, within
+  10% (ghost and instantiated); see :func:`test_norm_buffers_match_compiled_scratch` for the two exceptions;
+* activations: **not** within 10% -- see :func:`test_activation_estimate_against_compiled_layers`.
+
+Not compared: the whole-step difference ``temp(DP step) - temp(non-DP step)``. On XLA:CPU it measured between -0.3
+and +1.1 MB for steps of 4-13 MB of scratch (2-layer GPT-2s, bk and ghost modes), i.e. noise of the scheduler: the
+norms are formed after (bk) or inside (ghost) the backward pass, away from the activation peak, so that difference
+does not isolate the norm buffers; they are therefore compared one weight at a time.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dpzero_jax as dz
+from dpzero_jax import pergrad, planner
+
+# XLA:CPU's default YNNPACK fusion evaluates ``sum(Gram_a * Gram_g)`` in one kernel without materialising the
+# ``[B, T, T]`` Grams (compiled scratch 0); accelerator backends run the two Gram GEMMs into memory. Switching that
+# fusion off makes the CPU program hold the buffers the paper's space complexity counts.
+NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def _abstract_gpt2(**kwargs):
+    config = dz.models.GPT2Config(**kwargs)
+    model = nnx.eval_shape(lambda: dz.models.GPT2(config, rngs=nnx.Rngs(0)))
+    return dz.models.lm_objective(model)
+
+
+def _planner_config(vocab, n_ctx, d, layers, heads, tied=True, d_ff=None):
+    return planner.DecoderConfig("test", layers, d, heads, vocab, n_ctx, d_ff=d_ff, tied=tied)
+
+
+# ---------------------------------------------------------------------------------------------------- counts
+
+# Hugging Face GPT-2 checkpoints (GPT2LMHeadModel, tied head): the textbook sizes.
+TEXTBOOK_GPT2 = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
+                 "gpt2-xl": 1_557_611_200}
+
+
+@pytest.mark.parametrize("name", sorted(TEXTBOOK_GPT2))
+def test_gpt2_parameter_counts_are_the_textbook_ones(name):
+    assert planner.PRESETS[name].n_params == TEXTBOOK_GPT2[name]
+
+
+@pytest.mark.parametrize("key, paper", [("gpt2-large", 774e6), ("gpt2-xl", 1.56e9), ("gpt-j-6b", 6e9),
+                                        ("gpt3-175b", 175e9), ("gpt-1t", 1e12)])
+def test_table2_sizes_within_two_percent_of_paper_000(key, paper):
+    """Paper 000 Table 2 rounds (GPT-J is 6.05B, the 1T model of Megatron-LM 1.008T); our GPT-2-style counts of
+    the published architectures must land within 2% of the rounded figures."""
+    assert abs(planner.PRESETS[key].n_params / paper - 1) < 0.02
+
+
+@pytest.mark.parametrize("tied, n_inner", [(True, None), (False, None), (True, 24)])
+def test_parameter_count_equals_a_built_gpt2(tied, n_inner):
+    config = dz.models.GPT2Config(vocab_size=37, n_positions=11, n_embd=16, n_layer=3, n_head=4, n_inner=n_inner,
+                                  tie_word_embeddings=tied)
+    model = nnx.eval_shape(lambda: dz.models.GPT2(config, rngs=nnx.Rngs(0)))
+    counted = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert _planner_config(37, 11, 16, 3, 4, tied, n_inner).n_params == counted
+
+
+def test_weights_are_the_leaves_the_engine_traces():
+    """Paths, sizes and number of layer calls per weight against the engine's plan of the real model."""
+    params, loss_fn = _abstract_gpt2(vocab_size=29, n_positions=8, n_embd=16, n_layer=2, n_head=2)
+    batch = {"input_ids": jax.ShapeDtypeStruct((3, 8), jnp.int32)}
+    plan = dz.make_plan(loss_fn, dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0), params, batch)
+    sizes = {path: math.prod(leaf.shape) for path, leaf in zip(plan.paths, jax.tree.leaves(params))}
+    ours = planner.weights(_planner_config(29, 8, 16, 2, 2))
+    assert {w.path: w.size for w in ours} == sizes
+    assert {w.path: w.uses for w in ours} == {path: len(uses) for path, uses in plan.uses.items()}
+
+
+# ------------------------------------------------------------------------------------------------ model states
+
+def test_zero_stages_follow_the_zero_paper():
+    """Paper 000 §2.2.2 (mixed-precision Adam): 16 Psi replicated; (4 + 12/N) Psi, (2 + 14/N) Psi, 16 Psi / N."""
+    psi, n = planner.PRESETS["gpt2-xl"].n_params, 8
+    assert psi % n == 0
+    expected = {0: 16 * psi, 1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}
+    for zero, value in expected.items():
+        plan = planner.plan_memory("gpt2-xl", n, 8, 1024, "bf16", zero)
+        assert plan.model_states == value, zero
+    fp32 = planner.plan_memory("gpt2-xl", n, 8, 1024, "fp32", 3)
+    assert (fp32.parameters, fp32.gradients, fp32.optimizer_state) == (4 * psi // n, 4 * psi // n, 8 * psi // n)
+
+
+def _shard_largest_divisible(mesh, shape):
+    axes = [i for i, size in enumerate(shape) if size % mesh.size == 0]
+    spec = [None] * len(shape)
+    if axes:
+        spec[max(axes, key=lambda i: shape[i])] = "fsdp"
+    return NamedSharding(mesh, P(*spec))
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_model_states_match_compiled_step(devices):
+    """fp32 ZeRO-3 on 1 and 4 devices (every leaf of this model divides by 4 on some axis, so the per-leaf
+    sharding equals the flat-buffer partition): parameters + Adam moments are the per-device arguments of the
+    compiled DP step, gradients the per-device outputs of ``jax.grad``."""
+    vocab, n_ctx, d, layers, heads, batch_size = 64, 8, 16, 1, 2, 8
+    params, loss_fn = _abstract_gpt2(vocab_size=vocab, n_positions=n_ctx, n_embd=d, n_layer=layers, n_head=heads)
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
+    replicated = NamedSharding(mesh, P())
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=_shard_largest_divisible(mesh, x.shape)), params)
+    optimizer = optax.adam(1e-3)
+    opt_state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_shard_largest_divisible(mesh, x.shape)
+                                       if x.ndim else replicated), jax.eval_shape(optimizer.init, params))
+    batch = {"input_ids": jax.ShapeDtypeStruct((batch_size, n_ctx), jnp.int32,
+                                               sharding=NamedSharding(mesh, P("fsdp")))}
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+    private_grad = dz.private_value_and_grad(loss_fn, dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0,
+                                                                  mode="bk"))
+
+    def step(params, opt_state, batch, key):
+        losses, grads, _ = private_grad(params, batch, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.mean(losses)
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, key).compile()
+    arguments = compiled.memory_analysis().argument_size_in_bytes
+    others = 4 * batch_size * n_ctx // devices + 4 + 8    # int32 ids shard, Adam's int32 count, the key's 2 uint32
+    plan = planner.plan_memory(_planner_config(vocab, n_ctx, d, layers, heads), devices, batch_size, n_ctx, "fp32", 3)
+    assert arguments - others == plan.parameters + plan.optimizer_state
+
+    grad_fn = jax.jit(jax.grad(lambda p, b: jnp.mean(loss_fn(p, b))),
+                      out_shardings=jax.tree.map(lambda x: x.sharding, params))
+    outputs = grad_fn.lower(params, batch).compile().memory_analysis().output_size_in_bytes
+    tuple_table = 8 * len(jax.tree.leaves(params))        # XLA counts the output tuple's pointers
+    assert outputs - tuple_table == plan.gradients
+
+
+def test_bf16_gradients_match_compiled_grad():
+    """16-bit parameters give 16-bit gradients: 2 Psi, as the planner's mixed-precision gradient line says."""
+    params, loss_fn = _abstract_gpt2(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    batch = {"input_ids": jax.ShapeDtypeStruct((2, 8), jnp.int32)}
+    outputs = jax.jit(jax.grad(lambda p, b: jnp.mean(loss_fn(p, b)))).lower(params, batch).compile() \
+        .memory_analysis().output_size_in_bytes
+    plan = planner.plan_memory(_planner_config(64, 8, 16, 1, 2), 1, 2, 8, "bf16", 3)
+    assert outputs - 8 * len(jax.tree.leaves(params)) == plan.gradients       # less the output tuple's pointers
+
+
+# ------------------------------------------------------------------------------------------------ DP extra
+
+def _norm_scratch(uses_shapes, rows, shape, left_is_ids=False):
+    """Compiled scratch bytes of ``pergrad.sq_norm`` (mixed rule) of one weight from abstract factors."""
+
+    def norm(*factors):
+        uses = [pergrad.Outer(factors[2 * k], factors[2 * k + 1], rows, shape, left_is_ids=ids)
+                for k, ids in enumerate(left_is_ids)]
+        return pergrad.sq_norm(uses, "mixed")
+
+    args = [jax.ShapeDtypeStruct(s, jnp.int32 if len(s) == 2 else jnp.float32) for pair in uses_shapes for s in pair]
+    return jax.jit(norm).lower(*args).compile(compiler_options=NO_YNN).memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("vocab, d, heads, seq, batch", [(512, 64, 4, 32, 8), (256, 64, 4, 64, 8)])
+def test_norm_buffers_match_compiled_scratch(vocab, d, heads, seq, batch):
+    """Every dense weight's buffer (ghost ``2 B T^2`` or instantiated ``B p d``, fp32) within 10% of XLA's scratch
+    for the engine's norm of that weight; the two configurations exercise both branches of the mixed rule.
+
+    Exceptions, not within 10% and why: a *tied* embedding table (two uses) -- the planner counts the Grams over
+    all ``2T`` positions (``8 B T^2``, the paper's form) while the engine forms the cross terms pair by pair
+    (measured ``4 B T^2``), so the planner is an upper bound there; an *instantiated embedding* -- the engine
+    scatter-adds into a zero ``[B, V, d]`` array and XLA:CPU keeps both (2x); real models never instantiate
+    embeddings (``V d >> 2 T^2``).
+    """
+    config = _planner_config(vocab, seq, d, 1, heads)
+    buffers = {b.path: b for b in planner.norm_buffers(config, batch, seq)}
+    branches = set()
+    for w in planner.weights(config):
+        if not w.is_matrix or w.path.endswith("embedding"):
+            continue
+        scratch = _norm_scratch([((batch, seq, w.rows), (batch, seq, w.cols))], w.rows, (w.rows, w.cols),
+                                left_is_ids=(False,))
+        assert abs(scratch / buffers[w.path].bytes - 1) < 0.1, (w.path, scratch, buffers[w.path])
+        branches.add(buffers[w.path].ghost)
+    wte = buffers["wte/embedding"]
+    if wte.ghost:
+        scratch = _norm_scratch([((batch, seq), (batch, seq, d)), ((batch, seq, vocab), (batch, seq, d))], vocab,
+                                (vocab, d), left_is_ids=(True, False))
+        assert 0 < scratch <= wte.bytes
+    assert branches == ({True} if seq == 32 else {True, False})
+
+
+def test_mixed_rule_matches_the_engine_choice():
+    """The planner's ghost/instantiate choice equals ``pergrad.use_ghost`` on the engine's factors of the model."""
+    for seq in (8, 24, 64):
+        config = _planner_config(300, 64, 32, 1, 2)
+        for w, b in zip(planner.weights(config), planner.norm_buffers(config, 2, seq)):
+            if not w.is_matrix:
+                continue
+            left = jnp.zeros((1, seq), jnp.int32) if w.path.endswith("embedding") else jnp.zeros((1, seq, w.rows))
+            use = pergrad.Outer(left, jnp.zeros((1, seq, w.cols)), w.rows, (w.rows, w.cols),
+                                left_is_ids=left.ndim == 2)
+            assert b.ghost == pergrad.use_ghost([use] * w.uses, "mixed"), (seq, w.path)
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+def _grad_scratch(vocab, n_ctx, d, layers, heads, batch):
+    params, loss_fn = _abstract_gpt2(vocab_size=vocab, n_positions=n_ctx, n_embd=d, n_layer=layers, n_head=heads)
+    ids = jax.ShapeDtypeStruct((batch, n_ctx), jnp.int32)
+    fn = jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(loss_fn(p, {"input_ids": b}))))
+    return fn.lower(params, ids).compile(compiler_options=NO_YNN).memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("vocab, d, heads, seq, batch", [(256, 64, 4, 64, 8), (512, 128, 2, 32, 16)])
+def test_activation_estimate_against_compiled_layers(vocab, d, heads, seq, batch):
+    """The per-block activation estimate against XLA's marginal scratch per block (``temp(L=2) - temp(L=1)``
+    of a compiled fp32 ``value_and_grad``; exactly linear in L on XLA:CPU). Cannot hold within 10% on CPU, and the
+    test does not pretend it does: XLA keeps its own set of residuals -- it recomputes a LayerNorm's output from the
+    normalised input inside fused consumers, keeps two fp32 copies of the attention probabilities where the
+    estimate counts one, and chooses differently with the shapes (measured marginal / estimate: 1.40, 1.50, 1.23,
+    1.13 and 0.67 on five configurations). What is tested is the band [0.6, 1.6] measured over those
+    configurations: dropping the ``n_head T`` term or the ``2 d_ff`` term of the estimate leaves it.
+    """
+    per_block = _grad_scratch(vocab, seq, d, 2, heads, batch) - _grad_scratch(vocab, seq, d, 1, heads, batch)
+    block, _ = planner.activation_bytes_per_token(_planner_config(vocab, seq, d, 1, heads), seq, "fp32")
+    ratio = per_block / (block * batch * seq)
+    assert 0.6 < ratio < 1.6, ratio
+
+
+# ------------------------------------------------------------------------------------------------ API and CLI
+
+def test_plan_scales_with_the_per_device_batch():
+    one = planner.plan_memory("gpt2", 1, 4, 512, "bf16", 3)
+    four = planner.plan_memory("gpt2", 4, 16, 512, "bf16", 3)
+    assert four.activations == one.activations and four.dp_extra == one.dp_extra
+    assert four.total == four.model_states + four.gathered_weights + four.activations + four.dp_extra
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model="gpt5"), "unknown model 'gpt5'"),
+    (dict(devices=0), "devices must be a positive int, got 0"),
+    (dict(batch=10, devices=4), "batch=10 is not divisible by devices=4"),
+    (dict(seq=4096), "seq=4096 exceeds the context n_ctx=1024"),
+    (dict(precision="fp8"), "precision must be one of"),
+    (dict(zero=4), "zero must be one of"),
+    (dict(model=dict(n_layer=2, d_model=10, n_head=3, vocab=5, n_ctx=4)), "d_model=10 is not divisible by n_head=3"),
+    (dict(model=dict(n_layer=2, d_model=8, n_head=2, vocab=5, n_ctx=4, dropout=0.1)), "unknown keys ['dropout']"),
+    (dict(model=dict(n_layer=0, d_model=8, n_head=2, vocab=5, n_ctx=4)), "n_layer must be a positive int, got 0"),
+])
+def test_errors_name_the_bad_value(kwargs, message):
+    args = dict(model="gpt2", devices=1, batch=8, seq=512, precision="bf16", zero=3) | kwargs
+    with pytest.raises(ValueError) as error:
+        planner.plan_memory(**args)
+    assert message in str(error.value)
+
+
+def test_cli_prints_the_breakdown(capsys):
+    assert planner.main(["--model", "gpt2-xl", "--devices", "8", "--batch", "64", "--seq", "1024",
+                         "--precision", "bf16", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    expected = planner.plan_memory("gpt2-xl", 8, 64, 1024, "bf16", 3)
+    for item in ("parameters", "gradients", "optimizer state", "activations (estimate)", "DP extra", "total"):
+        assert item in out
+    assert f"{expected.total / 2**30:.3f}" in out and "1,557,611,200" in out
+
+
+def test_cli_sizes_and_json_config(tmp_path, capsys):
+    assert planner.main(["--sizes"]) == 0
+    out = capsys.readouterr().out
+    assert "1,557,611,200" in out and "175B" in out and "1T" in out
+    config = tmp_path / "tiny.json"     # GPT2Config's key names are accepted
+    config.write_text(json.dumps({"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 50, "n_positions": 8}))
+    assert planner.main(["--model", str(config), "--batch", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["n_params"] == _planner_config(50, 8, 16, 2, 2).n_params and plan["seq"] == 8
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt2", "--batch", "6", "--devices", "4"], "batch=6 is not divisible by devices=4"),
+    (["--model", "nope.json", "--batch", "4"], "model config file 'nope.json' does not exist"),
+    (["--model", "gpt2"], "--batch is required"),
+])
+def test_cli_errors(argv, message, capsys):
+    assert planner.main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""ZeRO sharding (GSPMD strategy) on 8 virtual CPU devices: layouts, and the sharded step equals the one-device step."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dpzero_jax import sharding
+from dpzero_jax.train import TrainConfig, Trainer
+
+# SGD: Adam's m / sqrt(v) would amplify the float reordering of cross-device sums on near-zero gradients
+BASE = dict(steps=4, batch_size=64, log_every=2, progress=False, plot=False, checkpoint_every=0, optimizer="sgd",
+            lr=0.1, epsilon=3.0)
+
+
+@pytest.mark.parametrize("shape, fsdp, expected", [
+    ((64, 128), 4, P(None, "fsdp")),       # the largest divisible dimension
+    ((128, 128), 4, P("fsdp", None)),      # ties: the first
+    ((128, 10), 8, P("fsdp", None)),
+    ((30, 70), 4, P()),                    # nothing divisible
+    ((128,), 8, P()),                      # below min_shard_elements
+    ((4096,), 8, P("fsdp")),
+    ((64, 128), 1, P()),                   # no fsdp axis to shard over
+])
+def test_weight_spec(shape, fsdp, expected):
+    assert sharding.weight_spec(shape, fsdp) == expected
+
+
+def test_parse_mesh_and_errors():
+    assert sharding.parse_mesh("data=2,fsdp=4") == sharding.MeshShape(2, 4)
+    assert sharding.parse_mesh("fsdp=8").size == 8
+    for bad in ("data=2,model=4", "data=x", "fsdp=0", "data=2,data=2", "8"):
+        with pytest.raises(ValueError, match="mesh"):
+            sharding.parse_mesh(bad)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        sharding.make_mesh(sharding.MeshShape(2, 8))
+    with pytest.raises(ValueError, match="zero stage"):
+        sharding.ShardingRules(sharding.make_mesh(sharding.MeshShape(1, 2)), zero=4)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_stage_layouts(zero):
+    rules = sharding.ShardingRules(sharding.make_mesh(sharding.MeshShape(2, 4)), zero)
+    params = {"w": np.zeros((64, 128), np.float32), "b": np.zeros((128,), np.float32)}
+    opt_state = ({"mu": params}, np.zeros((), np.int32))
+    spec = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
+    sharded = {"w": P(None, "fsdp"), "b": P()}
+    replicated = {"w": P(), "b": P()}
+    assert spec(rules.params(params)) == (sharded if zero == 3 else replicated)
+    assert spec(rules.grads(params)) == (sharded if zero >= 2 else replicated)
+    assert spec(rules.opt_state(opt_state)) == ({"mu": sharded}, P())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return Trainer(TrainConfig(out=str(tmp_path_factory.mktemp("single")), **BASE)).run()
+
+
+def _assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh, zero", [("fsdp=8", 3), ("data=2,fsdp=4", 2), ("data=2,fsdp=4", 1)])
+def test_sharded_step_equals_single_device(single, tmp_path, mesh, zero):
+    trainer = Trainer(TrainConfig(out=str(tmp_path), mesh=mesh, zero=zero, **BASE))
+    result = trainer.run()
+    _assert_close(result.params, single.params)       # same key -> same noise and update on 1 and 8 devices
+    assert result.epsilon == pytest.approx(single.epsilon, rel=1e-3)
+    fsdp = trainer.mesh.shape["fsdp"]
+    for leaf in jax.tree.leaves(result.params):       # parameters stay in their stage's layout
+        expected = sharding.weight_spec(leaf.shape, fsdp) if zero == 3 else P()
+        assert leaf.sharding.spec == expected
+    for leaf in jax.tree.leaves(result.opt_state):    # optimizer state is sharded at every stage
+        assert leaf.sharding.spec == sharding.weight_spec(leaf.shape, fsdp)
+    assert any(leaf.sharding.spec != P() for leaf in jax.tree.leaves(result.opt_state))
+
+
+def test_bf16_sharded_equals_bf16_single_device(tmp_path):
+    bf16 = dict(BASE, precision="bf16")
+    one = Trainer(TrainConfig(out=str(tmp_path / "1"), **bf16)).run()
+    eight = Trainer(TrainConfig(out=str(tmp_path / "8"), mesh="data=2,fsdp=4", **bf16)).run()
+    for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(eight.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-2, atol=2e-3)  # bf16 sums reorder
+        assert x.dtype == np.float32                   # fp32 master weights
+
+
+def test_restore_onto_another_device_count(single, tmp_path):
+    cfg = TrainConfig(out=str(tmp_path), mesh="fsdp=8", **{**BASE, "checkpoint_every": 2})
+    Trainer(cfg).run(stop_at=2)
+    resumed = Trainer(cfg.replace(mesh="data=2,fsdp=2")).run(resume=True)   # 8 devices -> 4
+    _assert_close(resumed.params, single.params)
+    assert resumed.steps == 4
+
+
+def test_fp16_without_loss_scaling_tracks_fp32(tmp_path):
+    cfg = dict(BASE, steps=40, log_every=10, optimizer="adam", lr=1e-2)
+    fp32 = Trainer(TrainConfig(out=str(tmp_path / "32"), **cfg)).run()
+    fp16 = Trainer(TrainConfig(out=str(tmp_path / "16"), precision="fp16", **cfg)).run()
+    losses32 = np.array([r["loss"] for r in fp32.history])
+    losses16 = np.array([r["loss"] for r in fp16.history])
+    assert np.all(np.isfinite(losses16))
+    np.testing.assert_allclose(losses16, losses32, rtol=0.05, atol=0.02)
+    assert abs(fp16.test_accuracy - fp32.test_accuracy) < 0.03
+
+
+def test_mesh_must_match_devices():
+    with pytest.raises(ValueError, match="does not match mesh"):
+        TrainConfig(devices=4, mesh="data=2,fsdp=4")
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp8")
