@@ -386,3 +386,21 @@ def test_keyed_objective_in_a_training_step():
         np.testing.assert_array_equal(a, b)
     kernel0, kernel1 = (np.asarray(g["layers"][0]["kernel"][...]) for g in (grads0, grads1))
     assert not np.allclose(kernel0, kernel1)
+
+
+def test_encoder_with_rmm_layers_under_dp():
+    """The BERT-style encoder (feature tokens) with RMM blocks: every parameter is in a supported layer, and the
+    book-keeping norms equal the per-example (vmap) norms through the layers' own backward."""
+    config = dz.models.EncoderConfig(vocab_size=None, token_features=4, max_length=6, hidden_size=8, num_layers=1,
+                                     num_heads=2, intermediate_size=16, num_classes=3)
+    model = build(dz.models.Encoder, config, 0)
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T, 4\]"):
+        model(jnp.ones((2, 6, 5)))
+    with pytest.raises(ValueError, match="exactly one of vocab_size"):
+        dz.models.EncoderConfig(vocab_size=5, token_features=4)
+    rmm.convert_to_rmm(model, sketch="rademacher", rate=0.5, private=True, where=lambda path, _: path != "head")
+    params, loss_fn = dz.models.classification_objective(model, input_key="tokens")
+    rng = np.random.default_rng(0)
+    batch = {"tokens": jnp.asarray(rng.normal(size=(3, 6, 4)), jnp.float32), "label": jnp.asarray([0, 1, 2])}
+    bk = dz.per_example_grad_norms(loss_fn, params, batch, mode="bk")
+    np.testing.assert_allclose(bk, dz.per_example_grad_norms(loss_fn, params, batch, mode="vmap"), rtol=1e-4)
