@@ -263,6 +263,36 @@ def test_engine_clips_the_per_example_estimates(mode, norm_method, groups, extra
     check_private(setup, clip_fn="abadi", groups=groups, mode=mode, norm_method=norm_method, **extra)
 
 
+@pytest.mark.parametrize("mode,groups", [("bk", "all-layer"), ("ghost", "layer-wise"), ("fused", "layer-wise")])
+def test_engine_clips_the_per_example_estimates_with_pallas_kernels(mode, groups):
+    """The norms and clipped sums of the ``Outer(S^T a, S^T g)`` estimates through ``kernels.ghost_norm``
+    (interpreted on CPU) equal the written-out estimates' too."""
+    setup, _ = two_layer_setup("gaussian")
+    check_private(setup, clip_fn="abadi", groups=groups, mode=mode, norm_kernel="pallas")
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost", "fused"])
+def test_bias_only_training_of_rmm_layers(mode):
+    """Only the biases trainable (BiTFiT-style; the kernels and the sketch keys are constants): book-keeping keeps
+    nothing of the inputs (``input_free``), and the clipped bias gradients are the exact per-example ``sum_t g``."""
+    full, model = two_layer_setup("gaussian")
+    graphdef, biases, rest = nnx.split(model, lambda path, v: isinstance(v, nnx.Param) and path[-1] == "bias", ...)
+
+    def loss_fn(params, batch):
+        y = nnx.merge(graphdef, params, rest)(batch["x"])
+        return jnp.sum(jnp.sin(y) * batch["w"] + 0.1 * jnp.square(y), axis=(1, 2))
+
+    setup = Setup("rmm-bias", biases, loss_fn, full.batch, ("l1", "l2"))
+    setup.__dict__["grads"] = {path: v for path, v in full.grads.items() if path.endswith("bias")}
+    assert sorted(setup.grads) == ["l1/bias", "l2/bias"] and ref.paths(biases) == ["l1/bias", "l2/bias"]
+    check_private(setup, clip_fn="abadi", groups="layer-wise", mode=mode)
+    if mode == "bk":
+        plan = dz.make_plan(loss_fn, dz.DPConfig(mode="bk"), biases, full.batch)
+        leaf_ids = dz.engine._leaf_ids(biases)
+        _, _, calls = dz.engine.bk_forward(loss_fn, plan, biases, leaf_ids, full.batch)
+        assert len(calls) == 2 and all(saved is None for saved, _ in calls.values())
+
+
 def test_per_example_estimates_are_not_the_exact_gradients():
     """The reference above is the RMM estimate, not the exact gradient; ``vmap(grad)`` through the layer's own
     backward gives the same estimates (the engine's vmap mode relies on it)."""
