@@ -160,7 +160,9 @@ def _add_train_parser(commands) -> None:
                        help="train over N devices, ZeRO-sharded (N virtual CPU devices without an accelerator)")
     train.add_argument("--mesh", type=_mesh, help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
     train.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default 3)")
-    train.add_argument("--strategy", choices=("gspmd",), help="gspmd: one jit with shardings (default)")
+    train.add_argument("--strategy", choices=("gspmd", "explicit"),
+                       help="gspmd: one jit with shardings (default); explicit: shard_map with all-gather / "
+                            "reduce-scatter written out")
     train.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
                        help="compute precision; fp32 master weights, norms and noise; no loss scaling")
     train.add_argument("--peft", choices=("none", "lora", "bitfit", "linear-probe"),

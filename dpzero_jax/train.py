@@ -36,16 +36,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, models, peft, sharding
+from dpzero_jax import accounting, models, noise, peft, sharding
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
-from dpzero_jax.engine import private_value_and_grad
+from dpzero_jax.engine import make_plan, private_value_and_grad
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
 MODELS = ("mlp", "vit")
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
 PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")
-STRATEGIES = ("gspmd",)
+STRATEGIES = ("gspmd", "explicit")
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
@@ -72,7 +72,8 @@ class TrainConfig:
     as ``"data=2,fsdp=4"``; ``devices=N`` alone means ``data=1,fsdp=N``. On a CPU-only machine these are virtual
     CPU devices, which must be requested before JAX starts (the CLI does this). None: one device, no mesh.
     ``zero``: ZeRO stage 1, 2 or 3 (what is sharded over ``fsdp``); ``strategy``: ``"gspmd"`` (one ``jax.jit``
-    with shardings; XLA inserts the collectives).
+    with shardings; XLA inserts the collectives) or ``"explicit"`` (the gradient in ``jax.shard_map`` with
+    all-gathers of the weights and reduce-scatters of their gradients written out; :func:`sharding.explicit_gradient`).
     ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute (inputs cast; layers compute in their input's
     dtype with the fp32 master weights cast at use); norms, clip factors, the clipped sum, the noise and the
     optimizer stay fp32, and there is no loss scaling.
@@ -399,6 +400,9 @@ class Trainer:
                 losses, grads, _ = private(params, batch, key, mask)
                 return losses, grads
 
+        if self.rules is not None and cfg.strategy == "explicit":
+            gradient = self._explicit_gradient(loss_fn, None if cfg.no_dp else dp_cfg)
+
         compute_dtype = PRECISIONS[cfg.precision]
         grad_shardings = None if self.rules is None else self.rules.grads(self.init_params)
 
@@ -435,6 +439,36 @@ class Trainer:
                                  out_shardings=(self._param_shardings, self._opt_shardings, rules.replicated,
                                                 rules.replicated))
         self._evaluate = jax.jit(evaluate)
+
+    def _explicit_gradient(self, loss_fn, dp_cfg: DPConfig | None):
+        """``gradient(params, batch, key, mask)`` of the ``explicit`` strategy: per-device sums in ``shard_map``
+        (:func:`sharding.explicit_gradient`), then noise (partitionable, on the owner's shard) and normalisation."""
+        if dp_cfg is None:
+            def local_sum(params, batch, mask):
+                def total(p):
+                    losses = loss_fn(p, batch)
+                    return jnp.sum(losses * mask.astype(losses.dtype)), losses
+                (_, losses), grads = jax.value_and_grad(total, has_aux=True)(params)
+                return losses, grads
+        else:  # the clipped sum of the local examples: no noise, no division
+            clipped_sum = private_value_and_grad(loss_fn, dp_cfg.replace(noise_multiplier=0.0, expected_batch_size=1.0))
+
+            def local_sum(params, batch, mask):
+                losses, sums, _ = clipped_sum(params, batch, jax.random.key(0), mask)  # the key is unused (sigma 0)
+                return losses, sums
+
+        summed = sharding.explicit_gradient(local_sum, self.rules, self.init_params)
+
+        def gradient(params, batch, key, mask):
+            losses, sums = summed(params, batch, mask)
+            if dp_cfg is None:
+                count = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+                return losses, jax.tree.map(lambda g: (g.astype(jnp.float32) / count).astype(g.dtype), sums)
+            thresholds = make_plan(loss_fn, dp_cfg, params, batch).thresholds  # static: traced abstractly
+            std = noise.noise_std(dp_cfg.noise_multiplier, thresholds)
+            return losses, noise.add_noise_and_normalise(sums, key, std, dp_cfg.expected_batch_size, "partitionable")
+
+        return gradient
 
     def _place(self, params, opt_state):
         """Fresh device copies (the step donates its inputs), laid out as the ZeRO stage says if there is a mesh."""
