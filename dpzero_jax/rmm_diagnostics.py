@@ -244,14 +244,21 @@ def diagnostics_fn(loss_fn: Callable, *, config: RMMConfig | None = None, exact_
     """``fn(params, batch, mask=None) -> {layer path: LayerDiagnostics}`` for the RMM layers of ``loss_fn``'s model
     (each with its own config) and, when ``config`` is given, its plain linear layers too (what RMM *would* do to
     them: a way to choose the rate before converting). Jittable; see :func:`capture_fn` for ``layers`` and the
-    gradient used (the mean loss over the examples with ``mask``).
+    gradient used (the mean loss over the examples with ``mask``). Masked-out examples have zero output gradients;
+    in the tokens layout (each example projected on its own) their inputs are zeroed too, so they take no part in
+    ``D2_RMM`` and ``alpha`` either. In the rows layout they stay: ``S`` mixes their rows into the estimate (padding
+    rows add variance there).
     """
     capture = capture_fn(loss_fn, config=config, layers=layers)
 
     def fn(params, batch, mask=None):
         count = None if mask is None else jnp.sum(jnp.asarray(mask, jnp.float32))
-        return {path: layer_diagnostics(x, g, layer_config, n_in=n_in, count=count, exact_variance=exact_variance)
-                for path, (x, g, layer_config, n_in) in capture(params, batch, mask).items()}
+        out = {}
+        for path, (x, g, layer_config, n_in) in capture(params, batch, mask).items():
+            if mask is not None and layer_config.projection == "tokens":
+                x = jnp.where(jnp.asarray(mask, bool).reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+            out[path] = layer_diagnostics(x, g, layer_config, n_in=n_in, count=count, exact_variance=exact_variance)
+        return out
 
     return fn
 

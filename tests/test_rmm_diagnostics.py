@@ -86,7 +86,11 @@ def test_diagnostics_fn_uses_the_layer_inputs_and_mean_loss_gradients():
     h = np.tanh(x @ w1 + b1)
     g2 = np.cos(h @ w2 + b2) * w * (mask / 3.0)[:, None, None]
     g1 = (g2 @ w2.T) * (1 - h**2)
-    for path, (inputs, grads, config) in {"first": (x, g1, model.first.config), "second": (h, g2, plain)}.items():
+    # the tokens layer ("first") sees only the unmasked examples' inputs; the rows layer all rows
+    x_kept = x * mask[:, None, None]
+    assert model.first.config.projection == "tokens"
+    for path, (inputs, grads, config) in {"first": (x_kept, g1, model.first.config),
+                                          "second": (h, g2, plain)}.items():
         expected = rd.layer_diagnostics(inputs, grads, config, count=3)
         for field, value in expected._asdict().items():
             np.testing.assert_allclose(getattr(diags[path], field), value, rtol=2e-4, err_msg=f"{path} {field}")
