@@ -174,6 +174,15 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--peft-also-train", type=_patterns("--peft-also-train"),
                        help="comma-separated patterns trained in full besides the PEFT method's (default: head for "
                             "lora/bitfit); 'none' for nothing")
+    train.add_argument("--rmm", choices=("none", "gaussian", "rademacher", "dct", "dft"),
+                       help="randomized-matmul dense layers (paper 002; every dense layer with a trainable kernel "
+                            "except the head): the sketch; dft is the discrete Hartley transform (the real "
+                            "orthogonal transform computed by an FFT), dct the DCT-II; default none")
+    train.add_argument("--rmm-rate", type=_unit_interval("--rmm-rate", closed_right=True),
+                       help="RMM compression rate rho in (0, 1]: the fraction of each layer input kept for the "
+                            "backward pass (per example its tokens under DP; the batch's rows with --no-dp)")
+    train.add_argument("--rmm-diagnostics-every", type=_non_negative_int("--rmm-diagnostics-every"),
+                       help="log D2_SGD, D2_RMM and alpha of each RMM layer every N steps (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("--no-progress", dest="progress", action="store_false")
 

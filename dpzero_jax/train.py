@@ -6,6 +6,7 @@ One step
     computes the private gradient (:func:`dpzero_jax.private_value_and_grad`, noise once per logical batch,
     ``micro_batch_size`` = gradient accumulation inside it) and applies the optax update. With ``no_dp`` the same
     sampler and step count are used with the plain mean loss over the realised batch (no clipping, no noise).
+    With RMM layers (``rmm``) the step's sketches are drawn from ``fold_in(noise_key, RMM_KEY_TAG)``.
 
 Determinism and resuming
     Every random choice of step ``t`` is a pure function of ``(seed, t)``, so resuming from a checkpoint at step
@@ -36,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, models, noise, peft, sharding
+from dpzero_jax import accounting, models, noise, peft, rmm, rmm_diagnostics, sharding
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import make_plan, private_value_and_grad
@@ -45,11 +46,13 @@ from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs
 MODELS = ("mlp", "vit")
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
 PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")
+RMM_SKETCHES = ("none",) + rmm.SKETCHES   # "dft": the discrete Hartley transform (real, orthogonal, by an FFT)
+RMM_KEY_TAG = 0x7FFFFFFF   # the sketch key of a step is fold_in(noise_key, RMM_KEY_TAG) (rmm_step_key)
 STRATEGIES = ("gspmd", "explicit")
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "devices", "mesh", "zero", "strategy")
+                     "devices", "mesh", "zero", "strategy", "rmm_diagnostics_every")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 CLIP_FNS = ("abadi", "automatic", "global")
 
@@ -82,6 +85,14 @@ class TrainConfig:
     ``peft_also_train``: patterns of parameters trained in full besides the method's (None: ``("head",)`` for LoRA
     and BiTFiT, whose task head is new; ``()`` trains nothing more). Frozen parameters get no norm computation, no
     gradient and no optimizer state; under a mesh they are replicated constants of the compiled step.
+    ``rmm``: "none", or a sketch ("gaussian", "rademacher", "dct", "dft" -- the discrete Hartley transform, the real
+    orthogonal transform computed by an FFT) with which every dense layer with a trainable kernel, except the
+    classification head, becomes a randomized-matmul layer (:mod:`dpzero_jax.rmm`, paper 002) keeping ``rmm_rate``
+    of its input for the backward pass (per example: its tokens, under DP; with ``no_dp`` the rows of all the
+    batch's slots, padding included, so there ``B_proj`` and the sketch depend on the slot count, which ``devices``
+    can round up). Fresh sketches every step (:func:`rmm_step_key`). Not with ``strategy="explicit"``.
+    ``rmm_diagnostics_every``: every that many steps, paper 002's D2_SGD, D2_RMM and alpha of each RMM layer on the
+    step's batch go into ``metrics.jsonl`` (0: never).
     """
 
     model: str = "mlp"
@@ -120,6 +131,9 @@ class TrainConfig:
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] | None = None
     peft_also_train: tuple[str, ...] | None = None
+    rmm: str = "none"
+    rmm_rate: float = 1.0
+    rmm_diagnostics_every: int = 0
     no_dp: bool = False
     progress: bool = True
     plot: bool = True
@@ -194,6 +208,18 @@ class TrainConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.lora_targets is not None and self.peft != "lora":
             raise ValueError(f"TrainConfig.lora_targets applies to peft='lora' only, not peft={self.peft!r}")
+        if self.rmm not in RMM_SKETCHES:
+            fail("rmm", f"one of {RMM_SKETCHES}", self.rmm)
+        if not is_num(self.rmm_rate) or not 0 < self.rmm_rate <= 1:
+            fail("rmm_rate", "a compression rate in (0, 1]", self.rmm_rate)
+        if not is_int(self.rmm_diagnostics_every) or self.rmm_diagnostics_every < 0:
+            fail("rmm_diagnostics_every", "an integer >= 0", self.rmm_diagnostics_every)
+        if self.rmm == "none" and (self.rmm_rate != 1.0 or self.rmm_diagnostics_every):
+            name = "rmm_rate" if self.rmm_rate != 1.0 else "rmm_diagnostics_every"
+            raise ValueError(f"TrainConfig.{name} applies to RMM layers only; set rmm to one of {RMM_SKETCHES[1:]}")
+        if self.rmm != "none" and self.strategy == "explicit":
+            raise ValueError(f"TrainConfig.rmm={self.rmm!r} is not supported with strategy='explicit' (its "
+                             "shard_map gradient takes no per-step sketch key); use strategy='gspmd'")
         if self.micro_batch_size is not None and (not is_int(self.micro_batch_size) or self.micro_batch_size < 1):
             fail("micro_batch_size", "an integer >= 1 or None", self.micro_batch_size)
         for name in ("epochs", "epsilon", "max_grad_norm", "lr"):
@@ -278,6 +304,55 @@ def _apply_peft(cfg: TrainConfig, model: nnx.Module, key: jax.Array):
     options = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets, "key": key} \
         if cfg.peft == "lora" else {}
     return peft.apply(model, cfg.peft, also_train=also_train, **options)
+
+
+def _apply_rmm(cfg: TrainConfig, model: nnx.Module, trainable: peft.Trainable) -> nnx.Module:
+    """``model`` with its dense layers converted to RMM layers (:func:`dpzero_jax.rmm.convert_to_rmm`) for
+    ``cfg.rmm`` / ``cfg.rmm_rate``: those whose kernel trains (a frozen layer keeps nothing for a weight gradient,
+    so a sketch would only add memory), except the classification head ``head``, which stays exact (its ``[B, d]``
+    input has no token axis to compress under DP, and it is small). Layout: per-example tokens (``private=True``,
+    the DP variant) unless ``no_dp`` (the batch's rows, as in paper 002)."""
+    if cfg.rmm == "none":
+        return model
+    trained = set(trainable.names)
+
+    def where(path: str, layer) -> bool:
+        return path != "head" and not path.startswith("head/") and f"{path}/kernel" in trained
+
+    if not any(where(peft.path_name(path), m) for path, m in nnx.iter_modules(model)
+               if isinstance(m, peft.DENSE_TYPES)):
+        raise ValueError(f"TrainConfig.rmm={cfg.rmm!r}: no dense layer besides the head has a trainable kernel "
+                         f"(peft={cfg.peft!r}), so there is nothing to convert")
+    if cfg.model == "mlp" and not cfg.no_dp:
+        warnings.warn("rmm under DP compresses each example's tokens, and the MLP's dense layers see one per "
+                      "example: B_proj = 1 keeps the whole input (no memory saved), the orthogonal and Rademacher "
+                      "sketches are then exact and the Gaussian one rescales each layer's gradient by a random "
+                      "factor; RMM pays off on token models (model='vit')", UserWarning, stacklevel=3)
+    return rmm.convert_to_rmm(model, sketch=cfg.rmm, rate=cfg.rmm_rate, private=not cfg.no_dp, where=where)
+
+
+def rmm_step_key(noise_key: jax.Array) -> jax.Array:
+    """The key of the RMM sketches of the step whose noise key is ``noise_key``: ``fold_in(noise_key,
+    RMM_KEY_TAG)`` (layer ``j`` then uses ``fold_in(., j)``, :func:`dpzero_jax.rmm.fresh_keys`).
+
+    Fresh sketches every step, a pure function of ``(seed, step)`` (resume is exact). The noise of gradient leaf
+    ``j`` is drawn from ``fold_in(noise_key, j)`` with ``j`` far below the tag, so the sketches are independent of
+    the noise -- which the privacy analysis needs: it conditions on the data-independent sketch."""
+    return jax.random.fold_in(noise_key, RMM_KEY_TAG)
+
+
+def _diagnostics_fn(loss_fn):
+    """Jitted ``fn(params, batch, mask) -> {"rmm/<layer>/<d2_sgd | d2_rmm | alpha>": scalar}``: paper 002's
+    diagnostics (:func:`dpzero_jax.rmm_diagnostics.diagnostics_fn`; eqs. 9, 11, 13) of every RMM layer, from its
+    exact input and the output gradient of the mean loss over the batch's real examples, in float32. One extra
+    forward and backward pass; the exact RMM variances (``T^3`` for the orthogonal sketches) are left out."""
+    diagnostics = rmm_diagnostics.diagnostics_fn(loss_fn, exact_variance=False)
+
+    def fn(params, batch, mask):
+        return {f"rmm/{path}/{field}": getattr(layer, field) for path, layer in diagnostics(params, batch, mask).items()
+                for field in ("d2_sgd", "d2_rmm", "alpha")}
+
+    return jax.jit(fn)
 
 
 def _make_mesh(cfg: TrainConfig):
@@ -368,10 +443,21 @@ class Trainer:
         model = _make_model(cfg, self.train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)))
         model, trainable = _apply_peft(cfg, model, jax.random.fold_in(root, 3))
         self.trainable = trainable
+        model = _apply_rmm(cfg, model, trainable)
         self.init_params, loss_fn = models.classification_objective(model, trainable=trainable)
+        loss_for_key = None
+        self._rmm_diagnostics = None
+        if cfg.rmm != "none":  # the loss of a step draws its sketches from that step's key
+            _, keyed = rmm.keyed_objective(models.classification_objective, model, trainable=trainable)
+
+            def loss_for_key(noise_key):
+                return keyed(rmm_step_key(noise_key))
+
+            if cfg.rmm_diagnostics_every:
+                self._rmm_diagnostics = _diagnostics_fn(loss_fn)
         _, apply_fn = models.logits_fn(model, trainable=trainable)
         self.tx = _make_optimizer(cfg)
-        self._build_step(loss_fn, apply_fn)
+        self._build_step(loss_fn, apply_fn, loss_for_key)
 
     @property
     def formal_guarantee(self) -> bool:
@@ -379,12 +465,16 @@ class Trainer:
         return not self.config.no_dp and self.config.sampling != "shuffled"
 
     # ---------------------------------------------------------------- compiled functions
-    def _build_step(self, loss_fn, apply_fn):
+    def _build_step(self, loss_fn, apply_fn, loss_for_key=None):
+        """``loss_for_key(noise_key)``: the step's loss when it depends on the step (RMM sketches); else ``loss_fn``."""
         cfg, tx = self.config, self.tx
+        if loss_for_key is None:
+            def loss_for_key(noise_key):
+                return loss_fn
         if cfg.no_dp:
             def gradient(params, batch, key, mask):
                 def mean_loss(p):
-                    losses = loss_fn(p, batch)
+                    losses = loss_for_key(key)(p, batch)
                     w = mask.astype(losses.dtype)
                     return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1.0), losses
                 (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
@@ -394,10 +484,9 @@ class Trainer:
                               clip_fn=cfg.clip_fn, groups=cfg.groups, mode=cfg.mode,
                               expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
                               norm_kernel=cfg.norm_kernel, noise_rng="partitionable")
-            private = private_value_and_grad(loss_fn, dp_cfg)
 
             def gradient(params, batch, key, mask):
-                losses, grads, _ = private(params, batch, key, mask)
+                losses, grads, _ = private_value_and_grad(loss_for_key(key), dp_cfg)(params, batch, key, mask)
                 return losses, grads
 
         if self.rules is not None and cfg.strategy == "explicit":
@@ -652,15 +741,21 @@ class Trainer:
                                       f"{self.sampler.overflow_probability:.2g}); recorded in the privacy ledger",
                                       RuntimeWarning, stacklevel=2)
                     batch = gather(self.train_data, batch_info.indices)
+                    diagnostics = None
+                    if self._rmm_diagnostics is not None and (step + 1) % cfg.rmm_diagnostics_every == 0:
+                        # at the parameters the step starts from (the step donates them), on its batch
+                        values = self._rmm_diagnostics(params, batch, batch_info.mask)
+                        diagnostics = {k: float(v) if np.isfinite(v) else None for k, v in values.items()}
                     params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, batch_info.mask)
                     if not cfg.no_dp:
                         self._record(ledger, step, batch_info)
                     done = step + 1
                     bar.update(1)
                     evaluate = (cfg.eval_every and done % cfg.eval_every == 0) or done == self.steps
-                    if done % cfg.log_every == 0 or done == end or evaluate:
+                    if done % cfg.log_every == 0 or done == end or evaluate or diagnostics is not None:
                         row = {"step": done, "loss": float(loss), "accuracy": float(acc),
                                "epsilon": self._epsilon(ledger), "batch_size": int(batch_info.realised_size)}
+                        row.update(diagnostics or {})
                         if evaluate:
                             test_loss, test_acc = self._evaluate(params, self.test_data["image"],
                                                                  self.test_data["label"])
