@@ -81,10 +81,11 @@ def test_sharded_step_equals_single_device(single, tmp_path, mesh, zero, strateg
     assert any(leaf.sharding.spec != P() for leaf in jax.tree.leaves(result.opt_state))
 
 
-def test_bf16_sharded_equals_bf16_single_device(tmp_path):
-    bf16 = dict(BASE, precision="bf16")
+@pytest.mark.parametrize("precision, strategy", [("bf16", "gspmd"), ("fp16", "explicit")])
+def test_half_precision_sharded_equals_single_device(tmp_path, precision, strategy):
+    bf16 = dict(BASE, precision=precision)
     one = Trainer(TrainConfig(out=str(tmp_path / "1"), **bf16)).run()
-    eight = Trainer(TrainConfig(out=str(tmp_path / "8"), mesh="data=2,fsdp=4", **bf16)).run()
+    eight = Trainer(TrainConfig(out=str(tmp_path / "8"), mesh="data=2,fsdp=4", strategy=strategy, **bf16)).run()
     for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(eight.params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-2, atol=2e-3)  # bf16 sums reorder
         assert x.dtype == np.float32                   # fp32 master weights
