@@ -3,6 +3,7 @@
 from dpzero_jax import (
     accounting,
     clipping,
+    hf,
     models,
     nn,
     noise,
@@ -13,6 +14,7 @@ from dpzero_jax import (
     rules,
     sampling,
     sharding,
+    text,
     train,
 )
 from dpzero_jax.config import DPConfig
@@ -28,7 +30,7 @@ from dpzero_jax.engine import (
 
 __all__ = [
     "DPConfig", "DPStats", "UnsupportedParameterError", "autotune", "choose_mode", "make_plan",
-    "per_example_grad_norms", "private_value_and_grad", "accounting", "clipping", "models", "nn", "noise", "ops",
-    "peft", "pergrad", "planner", "rules", "sampling", "sharding", "train",
+    "per_example_grad_norms", "private_value_and_grad", "accounting", "clipping", "hf", "models", "nn", "noise", "ops",
+    "peft", "pergrad", "planner", "rules", "sampling", "sharding", "text", "train",
 ]
 __version__ = "0.1.0"

@@ -70,14 +70,14 @@ def gpt2(path, *, tied: bool = True, n_layer: int = 2, n_embd: int = 32, n_head:
 
 
 def bert(path, *, roberta: bool = False, num_labels: int = 3, seed: int = 0, tokenizer: bool = True,
-         vocab_size: int = 200):
+         vocab_size: int = 200, layers: int = 2):
     import torch
     import transformers
 
     torch.manual_seed(seed)
     kind = "Roberta" if roberta else "Bert"
     config = getattr(transformers, f"{kind}Config")(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=72 if roberta else 64, num_labels=num_labels, initializer_range=INIT_RANGE,
         pad_token_id=1 if roberta else 0, attn_implementation="eager")
     model = getattr(transformers, f"{kind}ForSequenceClassification")(config).eval()
