@@ -27,7 +27,6 @@ SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")
 
 __all__ = ["read_config", "read_state_dict", "read_torch_file", "write_checkpoint", "checkpoint_dir"]
 

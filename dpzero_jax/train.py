@@ -164,6 +164,9 @@ class TrainConfig:
                                                      f" with model={self.model!r}"))
         if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 2):
             fail("max_length", "an integer >= 2 or None", self.max_length)
+        if self.max_length is not None and not self.model.startswith("hf:"):
+            raise ValueError(f"TrainConfig.max_length applies to model='hf:PATH' text models, not "
+                             f"model={self.model!r}")
         for name in ("text_field", "label_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 fail(name, "a non-empty string", getattr(self, name))
