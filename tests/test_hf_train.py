@@ -57,7 +57,7 @@ def test_cli_dp_fine_tune_of_gpt2_reduces_held_out_loss(tmp_path, capsys):
 
 def test_text_classification_lora_bf16_on_two_devices(tmp_path):
     ckpt = tmp_path / "bert"
-    hf_helpers.bert(ckpt, num_labels=2, layers=1)
+    original = hf_helpers.bert(ckpt, num_labels=2, layers=1)
     words = {"pos": "good fine great excellent".split(), "neg": "bad poor awful wrong".split()}
     rng = np.random.default_rng(0)
     records = [{"sentence": " ".join(rng.choice(words[label], 5)), "y": label}
@@ -76,11 +76,14 @@ def test_text_classification_lora_bf16_on_two_devices(tmp_path):
     result.save_pretrained(tmp_path / "export")
     reloaded = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "export").eval()
     assert reloaded.config.id2label == {0: "neg", 1: "pos"}
+    query = [m.bert.encoder.layer[0].attention.self.query.weight.detach().numpy() for m in (original, reloaded)]
+    assert not np.allclose(*query)                      # trained adapters were folded into the frozen weights
     test = trainer.test_data
     with torch.no_grad():
         logits = reloaded(torch.tensor(test["input_ids"], dtype=torch.long),
                           attention_mask=torch.tensor(test["attention_mask"])).logits.numpy()
-    fp32 = nnx.clone(result.model)                      # the trained model (LoRA unmerged), computing in fp32
+    # the trained model with its LoRA adapters unmerged, in fp32: export folded them in exactly
+    fp32 = nnx.clone(result.model)
     fp32.dtype = None
     ours = np.asarray(fp32(jnp.asarray(test["input_ids"]), jnp.asarray(test["attention_mask"])))
     np.testing.assert_allclose(logits, ours, rtol=1e-4, atol=1e-4 * np.max(np.abs(ours)))
