@@ -181,7 +181,15 @@ def _add_train_parser(commands) -> None:
                        help="train over N devices, ZeRO-sharded (N virtual CPU devices without an accelerator)")
     train.add_argument("--mesh", type=_mesh, help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
     train.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default 3)")
-    train.add_argument("--strategy", choices=("gspmd",), help="gspmd: one jit with shardings (default)")
+    train.add_argument("--strategy", choices=("gspmd", "explicit"),
+                       help="gspmd: one jit with shardings (default); explicit: shard_map with all-gather / "
+                            "reduce-scatter written out")
+    cluster = train.add_argument_group("multi-host (every process runs the same command)")
+    cluster.add_argument("--distributed", action="store_true",
+                         help="initialise jax.distributed, detecting SLURM / Open MPI / TPU pod settings")
+    cluster.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and --process-id)")
+    cluster.add_argument("--num-processes", type=_positive_int("--num-processes"))
+    cluster.add_argument("--process-id", type=_non_negative_int("--process-id"))
     train.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
                        help="compute precision; fp32 master weights, norms and noise; no loss scaling")
     train.add_argument("--peft", choices=("none", "lora", "bitfit", "linear-probe"),
@@ -250,19 +258,6 @@ def _train(args) -> str:
     if "epochs" in options:
         values["steps"] = None
     values.update(options)
-    wanted = values.get("devices")
-    if values.get("mesh"):
-        from dpzero_jax.sharding import parse_mesh
-
-        wanted = parse_mesh(values["mesh"]).size
-    if wanted:  # virtual CPU devices must be requested before JAX's first operation
-        import jax
-
-        try:
-            if jax.config.jax_num_cpu_devices < int(wanted):
-                jax.config.update("jax_num_cpu_devices", int(wanted))
-        except (RuntimeError, TypeError, ValueError):
-            pass  # already started, or a bad value: TrainConfig reports it
     result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
     exported = f"\nHugging Face checkpoint in {values['export']}" if values.get("export") else ""
     return result.summary() + f"\noutputs in {result.out}" + exported

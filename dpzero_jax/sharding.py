@@ -21,11 +21,21 @@ ZeRO stages (paper 000 §2.2; Rajbhandari et al.)
     3           sharded             sharded (reduce-scat.) sharded
     ==========  ==================  =====================  =====================
 
-    The trainer compiles ONE ``jax.jit`` step with these ``in_shardings`` / ``out_shardings`` (donating the state)
-    and constrains the gradient to its stage's layout; XLA's SPMD partitioner inserts the all-gathers and
-    reduce-scatters. The private gradient adds its noise to the already-sharded clipped sum with the
+    Strategy ``"gspmd"``: the trainer compiles ONE ``jax.jit`` step with these ``in_shardings`` /
+    ``out_shardings`` (donating the state) and constrains the gradient to its stage's layout; XLA's SPMD
+    partitioner inserts the all-gathers and reduce-scatters (and decides what to communicate).
+    The private gradient adds its noise to the already-sharded clipped sum with the
     partitionable noise generator (``DPConfig.noise_rng="partitionable"``), so each coordinate is drawn once, by its
     owner, and the same key gives the same noise on any number of devices.
+
+    Strategy ``"explicit"`` (:func:`explicit_gradient`, paper 003): the gradient is computed inside
+    ``jax.shard_map`` with the collectives written out. Each device all-gathers every weight it needs over ``fsdp``
+    (stage 3; stages 1-2 hold full copies), computes the clipped per-example gradient SUM of its own examples with
+    the ordinary engine (no communication inside: norms and clipping are per example), and sends each weight
+    gradient to its owner with ``psum_scatter`` over ``fsdp`` (stages 2-3; a ``psum`` at stage 1 and for replicated
+    tensors), summed over ``data``. Noise, normalisation and the optax update then run on the owner's shard only
+    (elementwise; no communication). The collectives are exactly those of non-private ZeRO: the DP step and the
+    non-private step differ only in the local computation.
 """
 
 from __future__ import annotations
@@ -35,10 +45,11 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["MeshShape", "ShardingRules", "make_mesh", "parse_mesh", "weight_spec"]
+__all__ = ["MeshShape", "ShardingRules", "explicit_gradient", "make_mesh", "parse_mesh", "weight_spec"]
 
 AXES = ("data", "fsdp")
 BATCH_AXES = ("data", "fsdp")
@@ -147,3 +158,59 @@ class ShardingRules:
     def check_batch(self, slots: int) -> None:
         if slots % self.mesh.size:
             raise ValueError(f"batch slots {slots} must be divisible by the mesh's {self.mesh.size} devices")
+
+
+def _fsdp_dim(spec: PartitionSpec) -> int | None:
+    """The dimension a :func:`weight_spec` splits over ``fsdp`` (None: replicated)."""
+    for dim, axis in enumerate(spec):
+        if axis == "fsdp":
+            return dim
+    return None
+
+
+def explicit_gradient(local_sum, rules: ShardingRules, params):
+    """The ``explicit`` strategy's gradient: ``fn(params, batch, mask) -> (losses [B], summed_grads)``.
+
+    ``local_sum(full_params, batch_shard, mask_shard) -> (losses [b], grad_sum)`` computes, on one device, the
+    gradient SUM over its own ``b = B / (data * fsdp)`` examples (for DP: the clipped sum, no noise) with respect to
+    full (unsharded) parameters. ``params`` (arrays or ``ShapeDtypeStruct``) give the shapes. The returned function
+    runs ``local_sum`` in ``jax.shard_map`` over ``rules.mesh``:
+
+    * stage 3: each sharded weight ``[.., d, ..]`` arrives as its ``[.., d / fsdp, ..]`` shard and is all-gathered
+      over ``fsdp`` (``all_gather(tiled=True)``) before use; stages 1-2: parameters are replicated, no gather;
+    * each gradient leaf of a sharded weight is reduce-scattered to its owner over ``fsdp`` (stages 2-3;
+      ``psum_scatter(tiled=True)`` on the weight's sharded dimension) and summed over ``data``; at stage 1 and for
+      replicated tensors it is summed over both axes (all-reduce).
+
+    The summed gradient comes out in the stage's gradient layout (:meth:`ShardingRules.grads`); losses keep the
+    batch layout. Call it inside ``jax.jit``.
+    """
+    mesh, fsdp = rules.mesh, rules.fsdp
+    owner = jax.tree.map(lambda x: weight_spec(tuple(np.shape(x)), fsdp, rules.min_shard_elements), params)
+    replicated = jax.tree.map(lambda _: PartitionSpec(), params)
+    param_specs = owner if rules.zero == 3 else replicated
+    grad_specs = owner if rules.zero >= 2 else replicated
+    batch_spec = PartitionSpec(BATCH_AXES)
+
+    def gather(shard, spec):
+        dim = _fsdp_dim(spec)
+        return shard if dim is None else jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
+
+    def reduce(grad, spec):
+        dim = _fsdp_dim(spec)
+        if dim is None:
+            return jax.lax.psum(grad, AXES)
+        return jax.lax.psum(jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True), "data")
+
+    def local(params, batch, mask):
+        full = jax.tree.map(gather, params, param_specs)
+        losses, grad_sum = local_sum(full, batch, mask)
+        return losses, jax.tree.map(reduce, grad_sum, grad_specs)
+
+    def gradient(params, batch, mask):
+        batch_specs = jax.tree.map(lambda _: batch_spec, batch)
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_specs, batch_spec),
+                                out_specs=(batch_spec, grad_specs), check_vma=False)
+        return sharded(params, batch, jnp.asarray(mask))
+
+    return gradient

@@ -21,10 +21,12 @@ step), ``summary.json``, ``checkpoints/``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import numbers
+import os
 import time
 import warnings
 from pathlib import Path
@@ -36,21 +38,22 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, hf, models, peft, sharding, text
+from dpzero_jax import accounting, hf, models, noise, peft, sharding, text
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
-from dpzero_jax.engine import private_value_and_grad
+from dpzero_jax.engine import make_plan, private_value_and_grad
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
 MODELS = ("mlp", "vit")          # or "hf:PATH", a Hugging Face checkpoint directory (GPT-2, BERT, RoBERTa, ViT)
 TASKS = text.TASKS
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
 PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")
-STRATEGIES = ("gspmd",)
+STRATEGIES = ("gspmd", "explicit")
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "devices", "mesh", "zero", "strategy", "export")
+                     "devices", "mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
+                     "process_id", "export")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 CLIP_FNS = ("abadi", "automatic", "global")
 
@@ -73,10 +76,16 @@ class TrainConfig:
     as ``"data=2,fsdp=4"``; ``devices=N`` alone means ``data=1,fsdp=N``. On a CPU-only machine these are virtual
     CPU devices, which must be requested before JAX starts (the CLI does this). None: one device, no mesh.
     ``zero``: ZeRO stage 1, 2 or 3 (what is sharded over ``fsdp``); ``strategy``: ``"gspmd"`` (one ``jax.jit``
-    with shardings; XLA inserts the collectives).
+    with shardings; XLA inserts the collectives) or ``"explicit"`` (the gradient in ``jax.shard_map`` with
+    all-gathers of the weights and reduce-scatters of their gradients written out; :func:`sharding.explicit_gradient`).
     ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` compute (inputs cast; layers compute in their input's
     dtype with the fp32 master weights cast at use); norms, clip factors, the clipped sum, the noise and the
     optimizer stay fp32, and there is no loss scaling.
+    ``distributed`` / ``coordinator`` / ``num_processes`` / ``process_id``: multi-host training
+    (:func:`init_distributed`); ``distributed=True`` alone lets ``jax.distributed.initialize`` detect SLURM,
+    Open MPI or a TPU pod; a ``coordinator`` ``"HOST:PORT"`` with ``num_processes`` and ``process_id`` sets them
+    explicitly. Every process runs the same program; the mesh spans all processes' devices; each process feeds only
+    its own devices' slices of the batch; checkpoints are written collectively (orbax) and files by process 0.
     ``peft``: "none" (every parameter trains), "lora", "bitfit" or "linear-probe" (:mod:`dpzero_jax.peft`);
     ``lora_rank`` / ``lora_alpha`` / ``lora_targets`` (path patterns; None: every dense layer except the head);
     ``peft_also_train``: patterns of parameters trained in full besides the method's (None: ``("head",)`` for LoRA
@@ -122,6 +131,10 @@ class TrainConfig:
     zero: int = 3
     strategy: str = "gspmd"
     precision: str = "fp32"
+    distributed: bool = False
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
     peft: str = "none"
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -214,6 +227,22 @@ class TrainConfig:
             fail("strategy", f"one of {STRATEGIES}", self.strategy)
         if self.precision not in PRECISIONS:
             fail("precision", f"one of {tuple(PRECISIONS)}", self.precision)
+        explicit = (self.coordinator, self.num_processes, self.process_id)
+        if any(v is not None for v in explicit):
+            if any(v is None for v in explicit):
+                raise ValueError("TrainConfig: coordinator, num_processes and process_id go together (set all three, "
+                                 "or none and distributed=True to detect them)")
+            host, sep, port = str(self.coordinator).rpartition(":")
+            if not sep or not host or not port.isdigit():
+                fail("coordinator", "'HOST:PORT'", self.coordinator)
+            if not is_int(self.num_processes) or self.num_processes < 1:
+                fail("num_processes", "an integer >= 1", self.num_processes)
+            if not is_int(self.process_id) or not 0 <= self.process_id < self.num_processes:
+                fail("process_id", f"an integer in [0, {self.num_processes})", self.process_id)
+            if self.mesh is None and self.devices is None:
+                raise ValueError("TrainConfig: multi-process training needs a mesh (mesh= or devices=)")
+        if not isinstance(self.distributed, bool):
+            fail("distributed", "a bool", self.distributed)
         if self.peft not in PEFT_METHODS:
             fail("peft", f"one of {PEFT_METHODS}", self.peft)
         if not is_int(self.lora_rank) or self.lora_rank < 1:
@@ -384,16 +413,55 @@ def _apply_peft(cfg: TrainConfig, model: nnx.Module, key: jax.Array):
     return peft.apply(model, cfg.peft, also_train=also_train, **options)
 
 
-def _make_mesh(cfg: TrainConfig):
-    """The ``("data", "fsdp")`` mesh of ``cfg`` (None: one device, no mesh)."""
+def _mesh_shape(cfg: TrainConfig) -> sharding.MeshShape | None:
     if cfg.mesh is None and cfg.devices is None:
         return None
-    shape = sharding.parse_mesh(cfg.mesh) if cfg.mesh is not None else sharding.MeshShape(data=1, fsdp=cfg.devices)
-    try:  # only possible before JAX's first operation; the CLI calls this early
-        if jax.config.jax_num_cpu_devices < shape.size:
-            jax.config.update("jax_num_cpu_devices", shape.size)
-    except RuntimeError:
+    return sharding.parse_mesh(cfg.mesh) if cfg.mesh is not None else sharding.MeshShape(data=1, fsdp=cfg.devices)
+
+
+def request_cpu_devices(cfg: TrainConfig) -> None:
+    """Ask for the virtual CPU devices this process needs (its share of the mesh); only effective before JAX's
+    first operation, and irrelevant on GPU / TPU."""
+    shape = _mesh_shape(cfg)
+    if shape is None:
+        return
+    local = shape.size // (cfg.num_processes or 1)
+    try:
+        if jax.config.jax_num_cpu_devices < local:
+            jax.config.update("jax_num_cpu_devices", local)
+    except (RuntimeError, TypeError, ValueError):
+        pass  # JAX already started: the devices that exist are used
+
+
+def init_distributed(cfg: TrainConfig) -> None:
+    """``jax.distributed.initialize`` for a multi-process run (no-op for a single process or if already done).
+
+    Must run before JAX's first operation in every process. With ``coordinator`` / ``num_processes`` /
+    ``process_id`` those are passed; with ``distributed=True`` alone JAX detects the cluster (SLURM, Open MPI, TPU
+    pod). On CPU the cross-process collectives use gloo.
+    """
+    if not (cfg.distributed or cfg.coordinator is not None) or jax.distributed.is_initialized():
+        return
+    if cfg.num_processes == 1:
+        return
+    request_cpu_devices(cfg)
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (RuntimeError, ValueError):
         pass
+    if cfg.coordinator is not None:
+        jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
+                                   process_id=cfg.process_id)
+    else:
+        jax.distributed.initialize()
+
+
+def _make_mesh(cfg: TrainConfig):
+    """The ``("data", "fsdp")`` mesh of ``cfg`` (None: one device, no mesh)."""
+    shape = _mesh_shape(cfg)
+    if shape is None:
+        return None
+    request_cpu_devices(cfg)
     available = jax.devices()
     if shape.size > len(available):
         raise ValueError(f"devices={shape.size} but only {len(available)} {available[0].platform} device(s) exist; "
@@ -422,6 +490,9 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.out = Path(cfg.out)
+        request_cpu_devices(cfg)   # before JAX's first operation, if this is it
+        init_distributed(cfg)
+        self.is_primary = jax.process_index() == 0   # writes metrics, summary and plot
         self.mesh = _make_mesh(cfg)
         self.rules = None if self.mesh is None else sharding.ShardingRules(self.mesh, cfg.zero)
         self.train_data, self.test_data, self.label_names = _load_data(cfg)
@@ -512,6 +583,9 @@ class Trainer:
                 losses, grads, _ = private(params, batch, key, mask)
                 return losses, grads
 
+        if self.rules is not None and cfg.strategy == "explicit":
+            gradient = self._explicit_gradient(loss_fn, None if cfg.no_dp else dp_cfg)
+
         compute_dtype = PRECISIONS[cfg.precision]
         lm, inputs = cfg.task == "causal-lm", self.inputs
 
@@ -556,18 +630,64 @@ class Trainer:
                                                 rules.replicated))
         self._evaluate = jax.jit(evaluate)
 
+    def _explicit_gradient(self, loss_fn, dp_cfg: DPConfig | None):
+        """``gradient(params, batch, key, mask)`` of the ``explicit`` strategy: per-device sums in ``shard_map``
+        (:func:`sharding.explicit_gradient`), then noise (partitionable, on the owner's shard) and normalisation."""
+        if dp_cfg is None:
+            def local_sum(params, batch, mask):
+                def total(p):
+                    losses = loss_fn(p, batch)
+                    return jnp.sum(losses * mask.astype(losses.dtype)), losses
+                (_, losses), grads = jax.value_and_grad(total, has_aux=True)(params)
+                return losses, grads
+        else:  # the clipped sum of the local examples: no noise, no division
+            clipped_sum = private_value_and_grad(loss_fn, dp_cfg.replace(noise_multiplier=0.0, expected_batch_size=1.0))
+
+            def local_sum(params, batch, mask):
+                losses, sums, _ = clipped_sum(params, batch, jax.random.key(0), mask)  # the key is unused (sigma 0)
+                return losses, sums
+
+        summed = sharding.explicit_gradient(local_sum, self.rules, self.init_params)
+
+        def gradient(params, batch, key, mask):
+            losses, sums = summed(params, batch, mask)
+            if dp_cfg is None:
+                count = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+                return losses, jax.tree.map(lambda g: (g.astype(jnp.float32) / count).astype(g.dtype), sums)
+            thresholds = make_plan(loss_fn, dp_cfg, params, batch).thresholds  # static: traced abstractly
+            std = noise.noise_std(dp_cfg.noise_multiplier, thresholds)
+            return losses, noise.add_noise_and_normalise(sums, key, std, dp_cfg.expected_batch_size, "partitionable")
+
+        return gradient
+
     def _place(self, params, opt_state):
         """Fresh device copies (the step donates its inputs), laid out as the ZeRO stage says if there is a mesh."""
         if self.rules is None:
             return jax.tree.map(jnp.array, params), jax.tree.map(jnp.array, opt_state)
-        return (jax.device_put(jax.tree.map(np.asarray, params), self._param_shardings),
-                jax.device_put(jax.tree.map(np.asarray, opt_state), self._opt_shardings))
+        return (jax.tree.map(_to_global, params, self._param_shardings),
+                jax.tree.map(_to_global, opt_state, self._opt_shardings))
 
-    def _evaluate_split(self, params, data):
-        """``(loss, accuracy)`` of a data split; causal LM: ``(loss per token, perplexity)``."""
+    def _eval_inputs(self, data):
+        """``(images, labels)`` for evaluation; replicated global arrays under a mesh (valid across processes)."""
+        if self.rules is None:
+            return data["image"], data["label"]
+        return _to_global(data["image"], self.rules.replicated), _to_global(data["label"], self.rules.replicated)
+
+    def _device_batch(self, batch, mask, noise_key):
+        """Step inputs as global arrays: each process builds only its own devices' slices of the batch."""
+        if self.rules is None:
+            return batch, mask, noise_key
+        batch_shardings = self.rules.batch(batch)
+        return (jax.tree.map(_to_global, batch, batch_shardings), _to_global(mask, self.rules.batch(0)),
+                jax.random.wrap_key_data(_to_global(jax.random.key_data(noise_key), self.rules.replicated)))
+
+    def _evaluate_split(self, params, data, inputs=None):
+        """``(loss, accuracy)`` of a data split; causal LM: ``(loss per token, perplexity)``. ``inputs``: the
+        split's :meth:`_eval_inputs` if already placed (image data)."""
         if "input_ids" not in data:
-            return self._evaluate(params, data["image"], data["label"])
-        return self._evaluate_text(params, data)
+            return self._evaluate(params, *(inputs if inputs is not None else self._eval_inputs(data)))
+        place = None if self.rules is None else functools.partial(_to_global, sharding=self.rules.replicated)
+        return self._evaluate_text(params, data, place)
 
     def lower_step(self):
         """The jitted training step lowered on abstract arguments of the real shapes and shardings (inspect its
@@ -628,7 +748,7 @@ class Trainer:
     def _save(self, manager, step, params, opt_state, ledger):
         import orbax.checkpoint as ocp
 
-        leaves = [np.asarray(x) for x in jax.tree.leaves((params, opt_state))]
+        leaves = list(jax.tree.leaves((params, opt_state)))   # sharded arrays: every process writes its shards
         state = {"leaves": leaves, "key": np.asarray(jax.random.key_data(self.init_key)),
                  "step": np.asarray(step, np.int64)}
         meta = {"step": step, "ledger": ledger.to_dict(), "config": _jsonable(self.config.to_dict())}
@@ -664,7 +784,12 @@ class Trainer:
         manager = self._manager()
         treedef = jax.tree.structure((params, opt_state))
         template = jax.tree.leaves((params, opt_state))
-        abstract = {"leaves": [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in template],
+        if self.rules is None:
+            targets = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * len(template)
+        else:   # restored straight into this run's layout, whatever the device count that wrote it
+            targets = jax.tree.leaves((self._param_shardings, self._opt_shardings))
+        abstract = {"leaves": [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=target)
+                               for x, target in zip(template, targets, strict=True)],
                     "key": jax.ShapeDtypeStruct((2,), np.uint32), "step": jax.ShapeDtypeStruct((), np.int64)}
         errors, skipped = [], []
         try:
@@ -686,7 +811,7 @@ class Trainer:
                                   stacklevel=3)
                     continue
                 self._check_same_run(saved_config)
-                params, opt_state = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in state["leaves"]])
+                params, opt_state = jax.tree.unflatten(treedef, list(state["leaves"]))
                 found = step, params, opt_state, ledger
                 break
             else:
@@ -694,7 +819,7 @@ class Trainer:
         finally:
             manager.close()
         # move unreadable checkpoints newer than the one used out of the way (kept for inspection, not reused)
-        for bad in skipped:
+        for bad in skipped if self.is_primary else ():
             path = directory / str(bad)
             if path.exists():
                 path.rename(directory / f"{bad}.unreadable-{int(time.time())}")
@@ -725,10 +850,11 @@ class Trainer:
         params, opt_state = self._place(params, opt_state)
         end = self.steps if stop_at is None else min(self.steps, stop_at)
 
-        metrics_path = self.out / "metrics.jsonl"
+        metrics_path = self.out / "metrics.jsonl" if self.is_primary else Path(os.devnull)
         history = _read_metrics(metrics_path, upto=start) if resume else []
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in history)
+        test_inputs = None if "input_ids" in self.test_data else self._eval_inputs(self.test_data)
         manager = self._manager() if cfg.checkpoint_every else None
         bar = tqdm(total=self.steps, initial=start, disable=not cfg.progress, desc="dp" if not cfg.no_dp else "non-dp",
                    dynamic_ncols=True)
@@ -749,8 +875,9 @@ class Trainer:
                                       f"capacity {self.sampler.capacity} (probability "
                                       f"{self.sampler.overflow_probability:.2g}); recorded in the privacy ledger",
                                       RuntimeWarning, stacklevel=2)
-                    batch = gather(self.train_data, batch_info.indices)
-                    params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, batch_info.mask)
+                    batch, mask, noise_key = self._device_batch(gather(self.train_data, batch_info.indices),
+                                                                batch_info.mask, noise_key)
+                    params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, mask)
                     if not cfg.no_dp:
                         self._record(ledger, step, batch_info)
                     done = step + 1
@@ -760,7 +887,7 @@ class Trainer:
                         row = {"step": done, "loss": float(loss), metric_name(False): float(acc),
                                "epsilon": self._epsilon(ledger), "batch_size": int(batch_info.realised_size)}
                         if evaluate:
-                            test_loss, test_acc = self._evaluate_split(params, self.test_data)
+                            test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
                             row.update(test_loss=float(test_loss), **{metric_name(True): float(test_acc)})
                         history.append(row)
                         metrics_file.write(json.dumps(row) + "\n")
@@ -776,7 +903,7 @@ class Trainer:
             if manager is not None:
                 manager.close()
 
-        test_loss, test_acc = self._evaluate_split(params, self.test_data)
+        test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
         train_acc = None if lm else self._evaluate_split(params, self.train_data)[1]
         model = nnx.clone(self.model)
         nnx.update(model, params)
@@ -791,11 +918,17 @@ class Trainer:
         summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
                    if f.name not in ("params", "opt_state", "history", "model")}
         summary["ledger"] = ledger.to_dict()
+        export_model = model
+        if cfg.export is not None and jax.process_count() > 1:  # every process joins the all-gather; process 0 writes
+            export_model = nnx.clone(self.model)
+            nnx.update(export_model, jax.tree.map(lambda x: _to_global(x, self.rules.replicated), params))
+        if not self.is_primary:
+            return result
         (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
         if cfg.plot and history:
             _plot(history, self.out / "training.png")
         if cfg.export is not None:
-            result.save_pretrained(cfg.export)
+            models.pretrained.save(export_model, cfg.export)
         return result
 
 
@@ -827,7 +960,8 @@ def _text_evaluator(apply_fn, task: str):
 
     chunk_sums = jax.jit(chunk_sums)
 
-    def evaluate(params, data):
+    def evaluate(params, data, place=None):
+        """``place``: host array -> global array (under a mesh, so that every process passes the same chunk)."""
         n = len(next(iter(data.values())))
         size = min(EVAL_CHUNK, n)
         first = second = 0.0
@@ -837,7 +971,10 @@ def _text_evaluator(apply_fn, task: str):
             pad = size - real
             if pad:
                 chunk = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in chunk.items()}
-            a, b = chunk_sums(params, chunk, jnp.asarray(np.arange(size) < real, jnp.float32))
+            weight = (np.arange(size) < real).astype(np.float32)
+            if place is not None:
+                chunk, weight = {k: place(v) for k, v in chunk.items()}, place(weight)
+            a, b = chunk_sums(params, chunk, weight)
             first, second = first + float(a), second + float(b)
         if task == "causal-lm":
             loss = first / max(second, 1.0)
@@ -851,6 +988,17 @@ def train(config: TrainConfig | None = None, resume: bool = False, **overrides) 
     """``train(TrainConfig(...))`` or ``train(steps=100, epsilon=1)``: build a :class:`Trainer` and run it."""
     config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
     return Trainer(config).run(resume=resume)
+
+
+def _to_global(value, sharding):
+    """A global ``jax.Array`` with ``sharding`` from a value every process holds in full (host or device): each
+    process transfers only the slices of its own devices (works across processes, unlike ``device_put``)."""
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return jnp.copy(value)
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return jax.device_put(value, sharding)   # already global: reshard collectively
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _jsonable(value):
