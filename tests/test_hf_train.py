@@ -120,3 +120,45 @@ def test_bad_hf_options_get_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--model", "bert"])
     assert "--model must be mlp, vit or hf:PATH" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_processes_fine_tune_and_export_like_one(tmp_path):
+    """2 processes x 2 CPU devices (gloo) train, evaluate and export a GPT-2 exactly as 1 process x 4 devices."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    hf_helpers.gpt2(tmp_path / "gpt2", n_positions=32, n_layer=1)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(hf_helpers.corpus_sample(20_000)))
+    flags = ["train", "--model", f"hf:{tmp_path / 'gpt2'}", "--task", "causal-lm", "--data", str(corpus),
+             "--max-length", "32", "--mesh", "fsdp=4", "--batch-size", "32", "--noise-multiplier", "1.0",
+             "--steps", "4", "--log-every", "1", "--eval-every", "2", *FAST]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "dpzero_jax", *flags, "--out", str(tmp_path / "two"),
+                               "--export", str(tmp_path / "two_export"), "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:]
+    four = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    one = subprocess.run([sys.executable, "-m", "dpzero_jax", *flags, "--out", str(tmp_path / "one"), "--export",
+                          str(tmp_path / "one_export")], env=four, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def rows(name):
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    for a, b in zip(rows("two"), rows("one"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a.get("test_loss", 0.0) == pytest.approx(b.get("test_loss", 0.0), rel=1e-5)
+    two, single = (load_file(str(tmp_path / f"{n}_export" / "model.safetensors")) for n in ("two", "one"))
+    for name in single:
+        np.testing.assert_allclose(two[name], single[name], rtol=1e-5, atol=1e-6, err_msg=name)
