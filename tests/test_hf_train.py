@@ -3,6 +3,7 @@
 import json
 
 import hf_helpers
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,7 +86,7 @@ def test_text_classification_lora_bf16_on_two_devices(tmp_path):
     # the trained model with its LoRA adapters unmerged, in fp32: export folded them in exactly
     fp32 = nnx.clone(result.model)
     fp32.dtype = None
-    ours = np.asarray(fp32(jnp.asarray(test["input_ids"]), jnp.asarray(test["attention_mask"])))
+    ours = np.asarray(jax.jit(fp32.__call__)(jnp.asarray(test["input_ids"]), jnp.asarray(test["attention_mask"])))
     np.testing.assert_allclose(logits, ours, rtol=1e-4, atol=1e-4 * np.max(np.abs(ours)))
     accuracy = float(np.mean(np.argmax(logits, -1) == test["label"]))
     assert accuracy == pytest.approx(result.test_accuracy, abs=0.15)   # the run evaluated in bf16
