@@ -3,6 +3,7 @@
 from dpzero_jax import (
     accounting,
     clipping,
+    hf,
     models,
     nn,
     noise,
@@ -16,6 +17,7 @@ from dpzero_jax import (
     sampling,
     sharding,
     sketch,
+    text,
     train,
 )
 from dpzero_jax.config import DPConfig
@@ -31,7 +33,8 @@ from dpzero_jax.engine import (
 
 __all__ = [
     "DPConfig", "DPStats", "UnsupportedParameterError", "autotune", "choose_mode", "make_plan",
-    "per_example_grad_norms", "private_value_and_grad", "accounting", "clipping", "models", "nn", "noise", "ops",
-    "peft", "pergrad", "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "train",
+    "per_example_grad_norms", "private_value_and_grad", "accounting", "clipping", "hf", "models", "nn", "noise",
+    "ops", "peft", "pergrad", "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text",
+    "train",
 ]
 __version__ = "0.1.0"

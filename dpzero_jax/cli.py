@@ -2,7 +2,8 @@
 
 ``dpzero privacy --noise-multiplier S --sampling-rate Q --steps N --delta D`` prints epsilon;
 ``dpzero privacy --epsilon E --sampling-rate Q --steps N --delta D`` prints the noise multiplier that reaches it.
-``dpzero train [flags]`` runs DP training (defaults: MLP on scikit-learn digits at epsilon 3); ``--config FILE``
+``dpzero train [flags]`` runs DP training (defaults: MLP on scikit-learn digits at epsilon 3; ``--model hf:PATH
+--task causal-lm|classification --data FILE`` fine-tunes a Hugging Face checkpoint on text); ``--config FILE``
 (JSON or YAML, keys as in ``dpzero_jax.train.TrainConfig``) sets defaults that flags override.
 Bad values get a one-line error that names the flag.
 """
@@ -106,6 +107,12 @@ def _patterns(flag: str):
     return parse
 
 
+def _model(text: str) -> str:
+    if text in ("mlp", "vit") or (text.startswith("hf:") and text[3:].strip()):
+        return text
+    raise argparse.ArgumentTypeError(f"--model must be mlp, vit or hf:PATH, got {text!r}")
+
+
 def _hidden(text: str):
     try:
         widths = tuple(int(w) for w in text.split(","))
@@ -123,7 +130,21 @@ def _add_train_parser(commands) -> None:
     train = commands.add_parser("train", help="train a model with DP-SGD (default: MLP on digits, epsilon 3)",
                                 argument_default=argparse.SUPPRESS)
     train.add_argument("--config", help="JSON or YAML file of TrainConfig options (flags override it)")
-    train.add_argument("--model", choices=("mlp", "vit"))
+    train.add_argument("--model", type=_model,
+                       help="mlp, vit, or hf:PATH (a Hugging Face save_pretrained directory: GPT-2, BERT, "
+                            "RoBERTa, ViT)")
+    train.add_argument("--task", choices=("classification", "causal-lm"),
+                       help="classification (default) or causal-lm (hf:PATH GPT-2 checkpoints)")
+    train.add_argument("--data", help="text data for hf:PATH models: a .txt (causal-lm: one corpus cut into "
+                                      "max-length windows) or .jsonl file (one example per line); default: the "
+                                      "embedded Python help-topics corpus")
+    train.add_argument("--eval-data", help="held-out .txt/.jsonl file (default: 10%% of --data, fixed)")
+    train.add_argument("--max-length", type=_positive_int("--max-length"),
+                       help="tokens per example (default: the model's positions, at most 128)")
+    train.add_argument("--text-field", help="JSONL field holding the text (default text)")
+    train.add_argument("--label-field", help="JSONL field holding the class (default label)")
+    train.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's)")
+    train.add_argument("--export", help="write the trained model here in Hugging Face save_pretrained format")
     train.add_argument("--dataset", choices=("digits",))
     train.add_argument("--hidden", type=_hidden, help="MLP hidden widths, e.g. 128 or 256,128")
     length = train.add_mutually_exclusive_group()
@@ -247,7 +268,8 @@ def _train(args) -> str:
         values["steps"] = None
     values.update(options)
     result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
-    return result.summary() + f"\noutputs in {result.out}"
+    exported = f"\nHugging Face checkpoint in {values['export']}" if values.get("export") else ""
+    return result.summary() + f"\noutputs in {result.out}" + exported
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_train(args))
         elif args.command == "plan":
             print(planner.run(args))
-    except (ValueError, FileExistsError, RuntimeError) as error:
+    except (ValueError, FileExistsError, FileNotFoundError, ImportError, RuntimeError) as error:
         print(f"dpzero {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -234,3 +234,21 @@ def apply(model: nnx.Module, method: str | None, *, rank: int = 8, alpha: float 
     if extra:
         selected = selected + _select(_params(model), extra, "also_train", "parameter")
     return model, Trainable(frozenset(selected))
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` with every :class:`LoRA` adapter folded into its base layer: the base kernel becomes
+    ``W + (alpha / rank) * A B`` (contracted over the rank) and the wrapper is replaced by the base layer, so the
+    model has its original structure and function (e.g. for export). The input model is not modified."""
+    model = nnx.clone(model)
+    adapters = [tuple(path) for path, module in nnx.iter_modules(model) if isinstance(module, LoRA)]
+    for path in sorted(adapters, key=len, reverse=True):  # innermost first (adapters are not nested in practice)
+        lora = _node(model, path)
+        delta = jax.numpy.tensordot(lora.lora_a.kernel[...], lora.lora_b.kernel[...], axes=1)
+        base = lora.base
+        base.kernel.set_value(base.kernel[...] + lora.scale * delta.astype(base.kernel[...].dtype))
+        if path:
+            _replace(model, path, base)
+        else:
+            model = base
+    return model

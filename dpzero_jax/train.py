@@ -22,6 +22,7 @@ step), ``summary.json``, ``checkpoints/``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -38,13 +39,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, models, noise, peft, rmm, rmm_diagnostics, sharding
+from dpzero_jax import accounting, hf, models, noise, peft, rmm, rmm_diagnostics, sharding, text
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import make_plan, private_value_and_grad
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
-MODELS = ("mlp", "vit")
+MODELS = ("mlp", "vit")          # or "hf:PATH", a Hugging Face checkpoint directory (GPT-2, BERT, RoBERTa, ViT)
+TASKS = text.TASKS
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
 PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")
 RMM_SKETCHES = ("none",) + rmm.SKETCHES   # "dft": the discrete Hartley transform (real, orthogonal, by an FFT)
@@ -54,7 +56,7 @@ PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
                      "devices", "mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
-                     "process_id", "rmm_diagnostics_every")
+                     "process_id", "rmm_diagnostics_every", "export")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 CLIP_FNS = ("abadi", "automatic", "global")
 
@@ -100,6 +102,13 @@ class TrainConfig:
     can round up). Fresh sketches every step (:func:`rmm_step_key`). Not with ``strategy="explicit"``.
     ``rmm_diagnostics_every``: every that many steps, paper 002's D2_SGD, D2_RMM and alpha of each RMM layer on the
     step's batch go into ``metrics.jsonl`` (0: never).
+    ``model="hf:PATH"``: a Hugging Face checkpoint directory (:mod:`dpzero_jax.models.pretrained`): GPT-2 for
+    ``task="causal-lm"``; BERT / RoBERTa (text) or ViT (the image ``dataset``) for ``task="classification"``.
+    Text: ``data`` (a ``.txt`` or ``.jsonl`` file; None: the embedded corpus, :mod:`dpzero_jax.text`),
+    ``eval_data`` (None: a fixed 10% of ``data`` held out), ``max_length`` tokens per example (None: the model's
+    positions, at most 128), ``text_field`` / ``label_field`` of the JSONL records, ``tokenizer`` (a directory;
+    None: the checkpoint's). Causal LM reports loss and perplexity instead of accuracy. ``export``: a directory
+    where the trained model is written in ``save_pretrained`` format at the end (LoRA folded in).
     """
 
     model: str = "mlp"
@@ -145,6 +154,14 @@ class TrainConfig:
     rmm: str = "none"
     rmm_rate: float = 1.0
     rmm_diagnostics_every: int = 0
+    task: str = "classification"
+    data: str | None = None
+    eval_data: str | None = None
+    max_length: int | None = None
+    text_field: str = "text"
+    label_field: str = "label"
+    tokenizer: str | None = None
+    export: str | None = None
     no_dp: bool = False
     progress: bool = True
     plot: bool = True
@@ -159,8 +176,29 @@ class TrainConfig:
         def is_num(v):
             return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
-        if self.model not in MODELS:
-            fail("model", f"one of {MODELS}", self.model)
+        if self.model not in MODELS and not (isinstance(self.model, str) and self.model.startswith("hf:")
+                                             and self.model[3:].strip()):
+            fail("model", f"one of {MODELS} or 'hf:PATH'", self.model)
+        if self.task not in TASKS:
+            fail("task", f"one of {TASKS}", self.task)
+        if self.task == "causal-lm" and not self.model.startswith("hf:"):
+            raise ValueError("TrainConfig.task='causal-lm' needs model='hf:PATH' (a GPT-2 checkpoint directory)")
+        for name in ("data", "eval_data", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and (not self.model.startswith("hf:") or not isinstance(value, str) or not value):
+                raise ValueError(f"TrainConfig.{name} applies to model='hf:PATH' text models and must be a path, "
+                                 f"got {value!r}" + ("" if self.model.startswith("hf:") else
+                                                     f" with model={self.model!r}"))
+        if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 2):
+            fail("max_length", "an integer >= 2 or None", self.max_length)
+        if self.max_length is not None and not self.model.startswith("hf:"):
+            raise ValueError(f"TrainConfig.max_length applies to model='hf:PATH' text models, not "
+                             f"model={self.model!r}")
+        for name in ("text_field", "label_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                fail(name, "a non-empty string", getattr(self, name))
+        if self.export is not None and (not isinstance(self.export, str) or not self.export):
+            fail("export", "a directory path or None", self.export)
         if self.dataset not in DATASETS:
             fail("dataset", f"one of {DATASETS}", self.dataset)
         if self.optimizer not in OPTIMIZERS:
@@ -247,6 +285,10 @@ class TrainConfig:
         if self.rmm != "none" and self.strategy == "explicit":
             raise ValueError(f"TrainConfig.rmm={self.rmm!r} is not supported with strategy='explicit' (its "
                              "shard_map gradient takes no per-step sketch key); use strategy='gspmd'")
+        if self.rmm != "none" and self.export is not None:
+            raise ValueError(f"TrainConfig.export is not supported with rmm={self.rmm!r}: RMM layers are a "
+                             "training-time replacement of the dense layers with no Hugging Face counterpart; train "
+                             "without rmm to export")
         if self.micro_batch_size is not None and (not is_int(self.micro_batch_size) or self.micro_batch_size < 1):
             fail("micro_batch_size", "an integer >= 1 or None", self.micro_batch_size)
         for name in ("epochs", "epsilon", "max_grad_norm", "lr"):
@@ -283,8 +325,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class TrainResult:
-    test_accuracy: float
-    train_accuracy: float
+    test_accuracy: float | None     # None for causal LM
+    train_accuracy: float | None
     test_loss: float
     epsilon: float | None          # None without a formal guarantee (no_dp, shuffled epochs)
     delta: float
@@ -294,9 +336,22 @@ class TrainResult:
     runtime_s: float
     out: str
     sampling: str = "poisson"
+    task: str = "classification"
+    test_perplexity: float | None = None   # causal LM: exp(test loss per token)
     params: Any = dataclasses.field(repr=False, default=None)
     opt_state: Any = dataclasses.field(repr=False, default=None)
     history: list = dataclasses.field(repr=False, default_factory=list)
+    model: Any = dataclasses.field(repr=False, default=None)   # the trained NNX model (final params)
+
+    def save_pretrained(self, path) -> Path:
+        """Write the trained model as a Hugging Face checkpoint (``config.json`` + ``model.safetensors``; LoRA
+        adapters folded in) that ``transformers``' ``from_pretrained`` loads. GPT2, BertEncoder and ViT only."""
+        if not hasattr(self.model, "save_pretrained"):
+            raise ValueError(f"save_pretrained: the {type(self.model).__name__} model has no Hugging Face format "
+                             f"(GPT-2, BERT / RoBERTa and ViT have)")
+        from dpzero_jax.models import pretrained
+
+        return pretrained.save(self.model, path)
 
     def summary(self) -> str:
         if self.noise_multiplier is None:
@@ -305,11 +360,66 @@ class TrainResult:
             privacy = f"sigma {self.noise_multiplier:.4f} but NO formal guarantee ({self.sampling} sampling)"
         else:
             privacy = f"epsilon {self.epsilon:.3f} at delta {self.delta:g} (sigma {self.noise_multiplier:.4f})"
-        return (f"test accuracy {100 * self.test_accuracy:.2f}%  train accuracy {100 * self.train_accuracy:.2f}%  "
-                f"{privacy}  steps {self.steps}  q {self.sampling_rate:.4f}  time {self.runtime_s:.1f}s")
+        if self.task == "causal-lm":
+            quality = f"test loss {self.test_loss:.4f}  test perplexity {self.test_perplexity:.2f}"
+        else:
+            quality = f"test accuracy {100 * self.test_accuracy:.2f}%  train accuracy {100 * self.train_accuracy:.2f}%"
+        return f"{quality}  {privacy}  steps {self.steps}  q {self.sampling_rate:.4f}  time {self.runtime_s:.1f}s"
 
 
-def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs) -> nnx.Module:
+def _hf_path(cfg: TrainConfig) -> str | None:
+    return cfg.model[3:].strip() if cfg.model.startswith("hf:") else None
+
+
+def _load_data(cfg: TrainConfig):
+    """``(train, test, label_names)``: the image ``dataset``, or for a Hugging Face text model the tokenised
+    ``data`` (:func:`dpzero_jax.text.load_text_dataset`)."""
+    path = _hf_path(cfg)
+    if path is None:
+        return (*load_dataset(cfg.dataset, seed=0), None)
+    hf_config = hf.read_config(path)
+    model_type = hf_config.get("model_type")
+    if model_type not in models.pretrained.SUPPORTED:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported architectures: "
+                         f"{models.pretrained.ARCHITECTURES}")
+    wanted = ("gpt2",) if cfg.task == "causal-lm" else ("bert", "roberta", "vit")
+    if model_type not in wanted:
+        raise ValueError(f"task {cfg.task!r} needs a {' / '.join(wanted)} checkpoint, but {path} holds "
+                         f"model_type {model_type!r}")
+    if model_type == "vit":
+        if cfg.data is not None or cfg.eval_data is not None:
+            raise ValueError("a ViT checkpoint trains on the image dataset (--dataset), not on a text data file")
+        return (*load_dataset(cfg.dataset, seed=0), None)
+    positions = hf_config.get("n_positions", 1024) if model_type == "gpt2" else \
+        models.pretrained.bert_max_length(hf_config, model_type)
+    max_length = cfg.max_length if cfg.max_length is not None else min(128, positions)
+    if max_length > positions:
+        raise ValueError(f"max_length={max_length} exceeds the {positions} positions of the checkpoint in {path}")
+    tokenizer = text.load_tokenizer(cfg.tokenizer or path)
+    pad_id = hf_config.get("pad_token_id")
+    if pad_id is None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return text.load_text_dataset(tokenizer, task=cfg.task, max_length=max_length, pad_id=int(pad_id),
+                                  vocab_size=int(hf_config.get("vocab_size", 0)) or 1 << 31, data=cfg.data,
+                                  eval_data=cfg.eval_data, text_field=cfg.text_field, label_field=cfg.label_field)
+
+
+def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs, label_names=None, seed: int = 0) -> nnx.Module:
+    path = _hf_path(cfg)
+    if path is not None:
+        kwargs = {"seed": seed}
+        if cfg.task == "classification":
+            kwargs["num_labels"] = len(label_names) if label_names is not None else int(train_data["label"].max()) + 1
+            kwargs["id2label"] = label_names
+        if "input_ids" in train_data and cfg.precision != "fp32":
+            kwargs["dtype"] = PRECISIONS[cfg.precision]
+        model = models.from_pretrained(path, **kwargs)
+        if isinstance(model, models.ViT):
+            c, shape = model.config, train_data["image"].shape[1:]
+            if shape != (c.image_size, c.image_size, c.num_channels):
+                raise ValueError(f"the ViT checkpoint in {path} takes {c.image_size}x{c.image_size}x{c.num_channels}"
+                                 f" images, the {cfg.dataset} dataset has {'x'.join(map(str, shape))}")
+        return model
     image_shape = train_data["image"].shape[1:]
     num_classes = int(train_data["label"].max()) + 1
     if cfg.model == "mlp":
@@ -326,8 +436,8 @@ def _apply_peft(cfg: TrainConfig, model: nnx.Module, key: jax.Array):
     if cfg.peft == "none":
         return peft.apply(model, "full")
     also_train = cfg.peft_also_train
-    if also_train is None:
-        also_train = ("head",) if cfg.peft in ("lora", "bitfit") else ()
+    if also_train is None:  # a classification head is new: train it; a causal LM's head is the pretrained one
+        also_train = ("head",) if cfg.peft in ("lora", "bitfit") and cfg.task == "classification" else ()
     options = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": cfg.lora_targets, "key": key} \
         if cfg.peft == "lora" else {}
     return peft.apply(model, cfg.peft, also_train=also_train, **options)
@@ -464,8 +574,8 @@ class Trainer:
         self.is_primary = jax.process_index() == 0   # writes metrics, summary and plot
         self.mesh = _make_mesh(cfg)
         self.rules = None if self.mesh is None else sharding.ShardingRules(self.mesh, cfg.zero)
-        self.train_data, self.test_data = load_dataset(cfg.dataset, seed=0)
-        n = self.train_data["label"].shape[0]
+        self.train_data, self.test_data, self.label_names = _load_data(cfg)
+        n = next(iter(self.train_data.values())).shape[0]
         if cfg.batch_size > n:
             raise ValueError(f"batch_size={cfg.batch_size} exceeds the training set size {n}")
         self.dataset_size = n
@@ -509,15 +619,22 @@ class Trainer:
             finally:
                 absl_logger.setLevel(level)
 
-        model = _make_model(cfg, self.train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)))
+        model = _make_model(cfg, self.train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)), self.label_names,
+                            seed=cfg.seed)
         model, trainable = _apply_peft(cfg, model, jax.random.fold_in(root, 3))
-        self.trainable = trainable
+        self.model, self.trainable = model, trainable
         model = _apply_rmm(cfg, model, trainable)
-        self.init_params, loss_fn = models.classification_objective(model, trainable=trainable)
+        if cfg.task == "causal-lm":
+            self.inputs = "input_ids"
+            objective, objective_args = models.lm_objective, ()
+        else:
+            self.inputs = ("input_ids", "attention_mask") if "input_ids" in self.train_data else "image"
+            objective, objective_args = models.classification_objective, (self.inputs,)
+        self.init_params, loss_fn = objective(model, *objective_args, trainable=trainable)
         loss_for_key = None
         self._rmm_diagnostics = None
         if cfg.rmm != "none":  # the loss of a step draws its sketches from that step's key
-            _, keyed = rmm.keyed_objective(models.classification_objective, model, trainable=trainable)
+            _, keyed = rmm.keyed_objective(objective, model, *objective_args, trainable=trainable)
 
             def loss_for_key(noise_key):
                 return keyed(rmm_step_key(noise_key))
@@ -527,6 +644,8 @@ class Trainer:
         _, apply_fn = models.logits_fn(model, trainable=trainable)
         self.tx = _make_optimizer(cfg)
         self._build_step(loss_fn, apply_fn, loss_for_key)
+        if "input_ids" in self.train_data:
+            self._evaluate_text = _text_evaluator(apply_fn, cfg.task)
 
     @property
     def formal_guarantee(self) -> bool:
@@ -562,10 +681,15 @@ class Trainer:
             gradient = self._explicit_gradient(loss_fn, None if cfg.no_dp else dp_cfg)
 
         compute_dtype = PRECISIONS[cfg.precision]
+        lm, inputs = cfg.task == "causal-lm", self.inputs
+
+        def model_inputs(batch):
+            return batch[inputs] if isinstance(inputs, str) else {k: batch[k] for k in inputs}
+
         grad_shardings = None if self.rules is None else self.rules.grads(self.init_params)
 
         def step(params, opt_state, batch, noise_key, mask):
-            batch = {**batch, "image": batch["image"].astype(compute_dtype)}
+            batch = _cast_inputs(batch, compute_dtype)
             losses, grads = gradient(params, batch, noise_key, mask)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # fp32 master gradient
             if grad_shardings is not None:  # the ZeRO stage's gradient layout (reduce-scatter to the owners)
@@ -575,7 +699,9 @@ class Trainer:
             w = mask.astype(jnp.float32)
             count = jnp.maximum(jnp.sum(w), 1.0)
             loss = jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / count
-            correct = jnp.argmax(apply_fn(params, batch["image"]), -1) == batch["label"]  # after the update
+            if lm:  # causal LM: the batch's perplexity exp(loss) in place of an accuracy
+                return params, opt_state, loss, jnp.exp(loss)
+            correct = jnp.argmax(apply_fn(params, model_inputs(batch)), -1) == batch["label"]  # after the update
             return params, opt_state, loss, jnp.sum(correct * w) / count
 
         def evaluate(params, images, labels):
@@ -648,6 +774,14 @@ class Trainer:
         batch_shardings = self.rules.batch(batch)
         return (jax.tree.map(_to_global, batch, batch_shardings), _to_global(mask, self.rules.batch(0)),
                 jax.random.wrap_key_data(_to_global(jax.random.key_data(noise_key), self.rules.replicated)))
+
+    def _evaluate_split(self, params, data, inputs=None):
+        """``(loss, accuracy)`` of a data split; causal LM: ``(loss per token, perplexity)``. ``inputs``: the
+        split's :meth:`_eval_inputs` if already placed (image data)."""
+        if "input_ids" not in data:
+            return self._evaluate(params, *(inputs if inputs is not None else self._eval_inputs(data)))
+        place = None if self.rules is None else functools.partial(_to_global, sharding=self.rules.replicated)
+        return self._evaluate_text(params, data, place)
 
     def lower_step(self):
         """The jitted training step lowered on abstract arguments of the real shapes and shardings (inspect its
@@ -814,11 +948,17 @@ class Trainer:
         history = _read_metrics(metrics_path, upto=start) if resume else []
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in history)
-        test_images, test_labels = self._eval_inputs(self.test_data)
+        test_inputs = None if "input_ids" in self.test_data else self._eval_inputs(self.test_data)
         manager = self._manager() if cfg.checkpoint_every else None
         bar = tqdm(total=self.steps, initial=start, disable=not cfg.progress, desc="dp" if not cfg.no_dp else "non-dp",
                    dynamic_ncols=True)
         test_acc = None
+        lm = cfg.task == "causal-lm"
+        short = "ppl" if lm else "acc"
+
+        def metric_name(test: bool) -> str:
+            return ("test_" if test else "") + ("perplexity" if lm else "accuracy")
+
         try:
             with open(metrics_path, "a") as metrics_file:
                 for step in range(start, end):
@@ -843,18 +983,18 @@ class Trainer:
                     bar.update(1)
                     evaluate = (cfg.eval_every and done % cfg.eval_every == 0) or done == self.steps
                     if done % cfg.log_every == 0 or done == end or evaluate or diagnostics is not None:
-                        row = {"step": done, "loss": float(loss), "accuracy": float(acc),
+                        row = {"step": done, "loss": float(loss), metric_name(False): float(acc),
                                "epsilon": self._epsilon(ledger), "batch_size": int(batch_info.realised_size)}
                         row.update(diagnostics or {})
                         if evaluate:
-                            test_loss, test_acc = self._evaluate(params, test_images, test_labels)
-                            row.update(test_loss=float(test_loss), test_accuracy=float(test_acc))
+                            test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
+                            row.update(test_loss=float(test_loss), **{metric_name(True): float(test_acc)})
                         history.append(row)
                         metrics_file.write(json.dumps(row) + "\n")
                         metrics_file.flush()
                         eps = row["epsilon"]
-                        bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}",
-                                        **({} if test_acc is None else {"test_acc": f"{float(test_acc):.3f}"}),
+                        bar.set_postfix(loss=f"{row['loss']:.3f}", **{short: f"{float(acc):.3f}"},
+                                        **({} if test_acc is None else {f"test_{short}": f"{float(test_acc):.3f}"}),
                                         eps="n/a" if eps is None else f"{eps:.2f}")
                     if manager is not None and (done % cfg.checkpoint_every == 0 or done == end):
                         self._save(manager, done, params, opt_state, ledger)
@@ -863,23 +1003,85 @@ class Trainer:
             if manager is not None:
                 manager.close()
 
-        test_loss, test_acc = self._evaluate(params, test_images, test_labels)
-        _, train_acc = self._evaluate(params, *self._eval_inputs(self.train_data))
-        result = TrainResult(test_accuracy=float(test_acc), train_accuracy=float(train_acc),
+        test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
+        train_acc = None if lm else self._evaluate_split(params, self.train_data)[1]
+        model = nnx.clone(self.model)
+        nnx.update(model, params)
+        result = TrainResult(test_accuracy=None if lm else float(test_acc),
+                             train_accuracy=None if lm else float(train_acc),
                              test_loss=float(test_loss), epsilon=self._epsilon(ledger), delta=cfg.delta,
                              steps=end, noise_multiplier=self.noise_multiplier,
                              sampling_rate=self.sampling_rate, runtime_s=time.perf_counter() - start_time,
-                             out=str(self.out), sampling=cfg.sampling, params=params, opt_state=opt_state,
-                             history=history)
+                             out=str(self.out), sampling=cfg.sampling, task=cfg.task,
+                             test_perplexity=float(test_acc) if lm else None, params=params, opt_state=opt_state,
+                             history=history, model=model)
         summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
-                   if f.name not in ("params", "opt_state", "history")}
+                   if f.name not in ("params", "opt_state", "history", "model")}
         summary["ledger"] = ledger.to_dict()
+        export_model = model
+        if cfg.export is not None and jax.process_count() > 1:  # every process joins the all-gather; process 0 writes
+            export_model = nnx.clone(self.model)
+            nnx.update(export_model, jax.tree.map(lambda x: _to_global(x, self.rules.replicated), params))
         if not self.is_primary:
             return result
         (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
         if cfg.plot and history:
             _plot(history, self.out / "training.png")
+        if cfg.export is not None:
+            models.pretrained.save(export_model, cfg.export)
         return result
+
+
+def _cast_inputs(batch: dict, dtype) -> dict:
+    """Floating-point inputs (images) in the compute dtype; integer arrays (token ids, masks, labels) unchanged."""
+    return {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in batch.items()}
+
+
+EVAL_CHUNK = 64  # examples per compiled evaluation call of text models (the last chunk is padded)
+
+
+def _text_evaluator(apply_fn, task: str):
+    """``evaluate(params, data) -> (loss, metric)`` over a tokenised split in chunks of ``EVAL_CHUNK`` examples.
+
+    Classification: mean cross-entropy and accuracy over examples. Causal LM: the mean next-token cross-entropy over
+    all target tokens of the split (``loss_mask``) and its exponential, the perplexity."""
+
+    def chunk_sums(params, chunk, weight):
+        if task == "causal-lm":
+            ids = chunk["input_ids"]
+            logits = apply_fn(params, ids)[:, :-1].astype(jnp.float32)
+            nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+            tokens = chunk["loss_mask"][:, 1:].astype(jnp.float32) * weight[:, None]
+            return jnp.sum(nll * tokens), jnp.sum(tokens)
+        logits = apply_fn(params, {k: chunk[k] for k in ("input_ids", "attention_mask")}).astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, chunk["label"])
+        correct = (jnp.argmax(logits, -1) == chunk["label"]).astype(jnp.float32)
+        return jnp.sum(loss * weight), jnp.sum(correct * weight)
+
+    chunk_sums = jax.jit(chunk_sums)
+
+    def evaluate(params, data, place=None):
+        """``place``: host array -> global array (under a mesh, so that every process passes the same chunk)."""
+        n = len(next(iter(data.values())))
+        size = min(EVAL_CHUNK, n)
+        first = second = 0.0
+        for start in range(0, n, size):
+            chunk = {k: v[start:start + size] for k, v in data.items()}
+            real = len(chunk["input_ids"])
+            pad = size - real
+            if pad:
+                chunk = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in chunk.items()}
+            weight = (np.arange(size) < real).astype(np.float32)
+            if place is not None:
+                chunk, weight = {k: place(v) for k, v in chunk.items()}, place(weight)
+            a, b = chunk_sums(params, chunk, weight)
+            first, second = first + float(a), second + float(b)
+        if task == "causal-lm":
+            loss = first / max(second, 1.0)
+            return loss, math.exp(min(loss, 700.0))
+        return first / n, second / n
+
+    return evaluate
 
 
 def train(config: TrainConfig | None = None, resume: bool = False, **overrides) -> TrainResult:

@@ -11,6 +11,9 @@ from flax import nnx
 from dpzero_jax import nn
 from dpzero_jax.models.transformer import Block
 
+# GELU variants by their Hugging Face names: the tanh approximation ("gelu_new", GPT-2's) or the exact erf form
+GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
+
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
@@ -22,6 +25,7 @@ class GPT2Config:
     n_inner: int | None = None          # MLP width; default 4 * n_embd
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
+    activation_function: str = "gelu_new"   # one of GELUS
 
     def __post_init__(self):
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -30,17 +34,27 @@ class GPT2Config:
                 raise ValueError(f"GPT2Config.{name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.activation_function not in GELUS:
+            raise ValueError(f"GPT2Config.activation_function must be one of {tuple(GELUS)}, "
+                             f"got {self.activation_function!r}")
 
 
 class GPT2(nnx.Module):
-    """``input_ids [B, T] -> logits [B, T, vocab_size]``."""
+    """``input_ids [B, T] -> logits [B, T, vocab_size]``.
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+    ``dtype``: the compute dtype of the activations (``None``: that of the weights, fp32); weights stay as stored.
+    ``from_pretrained(path)`` loads a Hugging Face GPT-2 checkpoint directory, ``save_pretrained(path)`` writes one.
+    """
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=None):
         self.config = config
+        self.dtype = None if dtype is None else jnp.dtype(dtype).name
+        self.hf_config: str | None = None       # the checkpoint's config.json (JSON text), kept for export
         d = config.n_embd
         self.wte = nn.Embed(config.vocab_size, d, rngs=rngs)
         self.wpe = nn.Embed(config.n_positions, d, stddev=0.01, rngs=rngs)
-        self.h = nnx.List([Block(d, config.n_head, config.n_inner or 4 * d, causal=True, approximate_gelu=True,
+        self.h = nnx.List([Block(d, config.n_head, config.n_inner or 4 * d, causal=True,
+                                 approximate_gelu=GELUS[config.activation_function],
                                  eps=config.layer_norm_epsilon, rngs=rngs) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, use_bias=False,
@@ -54,7 +68,22 @@ class GPT2(nnx.Module):
             raise ValueError(f"sequence length {length} exceeds n_positions={self.config.n_positions}")
         positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
         x = self.wte(input_ids) + self.wpe(positions)
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
         for block in self.h:
             x = block(x)
         x = self.ln_f(x)
         return self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=None, seed: int = 0) -> GPT2:
+        """A Hugging Face GPT-2 checkpoint directory (see :func:`dpzero_jax.models.from_pretrained`)."""
+        from dpzero_jax.models import pretrained
+
+        return pretrained.load(path, expect=cls, dtype=dtype, seed=seed)
+
+    def save_pretrained(self, path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``GPT2LMHeadModel``)."""
+        from dpzero_jax.models import pretrained
+
+        pretrained.save(self, path)

@@ -22,7 +22,9 @@ def lm_objective(model: nnx.Module, *, trainable: Filter = nnx.Param):
     """Next-token cross-entropy, averaged over each example's positions.
 
     batch: ``{"input_ids": int32 [B, T]}`` and optionally ``"loss_mask": [B, T]`` (1 where the token at ``t+1`` is
-    a target). Returns ``(params, loss_fn)``; ``loss_fn(params, batch) -> [B]``.
+    a target; with right padding, the padding mask itself: a padded token is never a target, and causal attention
+    keeps it out of every earlier position, so padding contributes nothing). Returns ``(params, loss_fn)``;
+    ``loss_fn(params, batch) -> [B]``.
     """
     graphdef, params, rest = _split(model, trainable)
 
@@ -38,18 +40,35 @@ def lm_objective(model: nnx.Module, *, trainable: Filter = nnx.Param):
     return params, loss_fn
 
 
-def classification_objective(model: nnx.Module, input_key: str = "image", *, trainable: Filter = nnx.Param):
-    """Softmax cross-entropy. batch: ``{input_key: [B, ...], "label": int32 [B]}``. Returns ``(params, loss_fn)``."""
+def _inputs(batch, input_key):
+    """The model's arguments: ``batch[input_key]`` (one positional input) or, for a tuple of keys, those entries of
+    the batch as keyword arguments (e.g. ``("input_ids", "attention_mask")`` for a text encoder)."""
+    if isinstance(input_key, str):
+        return (batch[input_key],), {}
+    return (), {k: batch[k] for k in input_key}
+
+
+def classification_objective(model: nnx.Module, input_key: str | tuple[str, ...] = "image", *,
+                             trainable: Filter = nnx.Param):
+    """Softmax cross-entropy. batch: ``{input_key: [B, ...], "label": int32 [B]}`` (``input_key`` a tuple: several
+    inputs passed by name). Returns ``(params, loss_fn)``."""
     graphdef, params, rest = _split(model, trainable)
 
     def loss_fn(params, batch):
-        logits = nnx.merge(graphdef, params, rest)(batch[input_key]).astype(jnp.float32)
+        args, kwargs = _inputs(batch, input_key)
+        logits = nnx.merge(graphdef, params, rest)(*args, **kwargs).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
 
     return params, loss_fn
 
 
 def logits_fn(model: nnx.Module, *, trainable: Filter = nnx.Param):
-    """``(params, apply)`` with ``apply(params, inputs) -> logits``, for evaluation."""
+    """``(params, apply)`` with ``apply(params, inputs) -> logits``, for evaluation (``inputs`` a dict: passed to the
+    model as keyword arguments)."""
     graphdef, params, rest = _split(model, trainable)
-    return params, lambda params, inputs: nnx.merge(graphdef, params, rest)(inputs)
+
+    def apply(params, inputs):
+        model = nnx.merge(graphdef, params, rest)
+        return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+    return params, apply

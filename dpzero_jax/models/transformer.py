@@ -22,7 +22,8 @@ class Attention(nnx.Module):
         self.c_attn = nn.DenseGeneral((features,), (3, num_heads, self.head_dim), rngs=rngs)
         self.c_proj = nn.DenseGeneral((num_heads, self.head_dim), (features,), rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """``mask``: optional ``[B, T]`` keys that may be attended to (padding is ``0``/``False``)."""
         qkv = self.c_attn(x)                                   # [B, T, 3, H, Dh]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / jnp.sqrt(self.head_dim).astype(jnp.float32)
@@ -30,6 +31,8 @@ class Attention(nnx.Module):
             length = x.shape[1]
             allowed = jnp.tril(jnp.ones((length, length), bool))
             scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+        if mask is not None:
+            scores = jnp.where(mask.astype(bool)[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return self.c_proj(jnp.einsum("bhts,bshd->bthd", weights, v))
 

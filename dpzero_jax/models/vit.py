@@ -37,10 +37,15 @@ class ViTConfig:
 
 
 class ViT(nnx.Module):
-    """``image [B, H, W, C] -> logits [B, num_classes]`` (classification from the class token)."""
+    """``image [B, H, W, C] -> logits [B, num_classes]`` (classification from the class token).
+
+    ``from_pretrained(path)`` loads a Hugging Face ViT checkpoint directory (channels last here: transpose
+    ``pixel_values [B, C, H, W]`` to ``[B, H, W, C]``), ``save_pretrained(path)`` writes one.
+    """
 
     def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
         self.config = config
+        self.hf_config: str | None = None       # the checkpoint's config.json (JSON text), kept for export
         d = config.hidden_size
         self.patch_embed = nn.PatchEmbed(config.patch_size, config.num_channels, d, rngs=rngs)
         self.cls_token = nn.Embed(1, d, rngs=rngs)
@@ -64,3 +69,16 @@ class ViT(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x[:, 0]))
+
+    @classmethod
+    def from_pretrained(cls, path, *, num_labels: int | None = None, id2label=None, seed: int = 0) -> ViT:
+        """A Hugging Face ViT checkpoint directory (see :func:`dpzero_jax.models.from_pretrained`)."""
+        from dpzero_jax.models import pretrained
+
+        return pretrained.load(path, expect=cls, num_labels=num_labels, id2label=id2label, seed=seed)
+
+    def save_pretrained(self, path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``ViTForImageClassification``)."""
+        from dpzero_jax.models import pretrained
+
+        pretrained.save(self, path)
