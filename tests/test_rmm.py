@@ -419,6 +419,7 @@ def test_keyed_objective_in_a_training_step():
     assert not np.allclose(kernel0, kernel1)
 
 
+@pytest.mark.slow
 def test_encoder_with_rmm_layers_under_dp():
     """The BERT-style encoder (feature tokens) with RMM blocks: every parameter is in a supported layer, and the
     book-keeping norms equal the per-example (vmap) norms through the layers' own backward."""
@@ -459,6 +460,7 @@ def _metric_rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_cli_train_with_rmm_learns(tmp_path, capsys):
     """``dpzero train --model vit --rmm rademacher --rmm-rate 0.5``: every dense layer of the ViT but the head is an
     RMM layer keeping 9 of 17 tokens (8 of 16 patches) -- the diagnostics of the last step list exactly those --;
@@ -568,7 +570,8 @@ def test_trainer_draws_fresh_sketches_from_each_step_key(tmp_path):
     assert _max_difference(result.params, one_key) > 1e-3
 
 
-@pytest.mark.parametrize("no_dp, model, sketch", [(False, "vit", "dft"), (True, "mlp", "dct")])
+@pytest.mark.parametrize("no_dp, model, sketch", [pytest.param(False, "vit", "dft", marks=pytest.mark.slow),
+                                                   (True, "mlp", "dct")])
 def test_full_rate_orthogonal_rmm_trains_like_exact_layers(tmp_path, no_dp, model, sketch):
     """At ``rho = 1`` an orthogonal sketch has ``S S^T = I``: the estimates are the exact gradients (up to float
     rounding), so the RMM run's parameters after 3 steps are the exact run's -- under DP (ViT, tokens layout: the
@@ -586,6 +589,7 @@ def test_full_rate_orthogonal_rmm_trains_like_exact_layers(tmp_path, no_dp, mode
 
 
 @pytest.mark.filterwarnings("ignore:rmm under DP compresses each example's tokens")
+@pytest.mark.slow
 def test_resume_of_an_rmm_run_equals_the_uninterrupted_run(tmp_path):
     """A private run with Gaussian RMM layers stopped after the checkpoint at step 2 and resumed by a fresh trainer
     ends with the uninterrupted run's parameters, epsilon and metrics rows. The MLP keeps it cheap; its one-token
