@@ -49,7 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["MeshShape", "ShardingRules", "explicit_gradient", "make_mesh", "parse_mesh", "weight_spec"]
+from dpzero_jax import noise
+from dpzero_jax.engine import make_plan, private_value_and_grad
+
+__all__ = ["MeshShape", "ShardingRules", "explicit_gradient", "explicit_mean_gradient", "explicit_private_gradient",
+           "make_mesh", "parse_mesh", "weight_spec"]
 
 AXES = ("data", "fsdp")
 BATCH_AXES = ("data", "fsdp")
@@ -212,5 +216,47 @@ def explicit_gradient(local_sum, rules: ShardingRules, params):
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_specs, batch_spec),
                                 out_specs=(batch_spec, grad_specs), check_vma=False)
         return sharded(params, batch, jnp.asarray(mask))
+
+    return gradient
+
+
+def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params):
+    """The private gradient under the explicit strategy: ``fn(params, batch, key, mask) -> (losses [B], grads)``.
+
+    Each device computes the clipped sum of its examples with the engine (``cfg`` with ``noise_multiplier=0`` and
+    ``expected_batch_size=1``), :func:`explicit_gradient` brings the sums to their owners, and
+    :func:`dpzero_jax.noise.add_noise_and_normalise` with the partitionable generator noises each owner's shard --
+    the same call as the one-device path, so the update is the same on any device count. ``cfg`` is a
+    :class:`~dpzero_jax.config.DPConfig` with ``expected_batch_size`` set.
+    """
+    clipped_sum = private_value_and_grad(loss_fn, cfg.replace(noise_multiplier=0.0, expected_batch_size=1.0))
+    summed = explicit_gradient(lambda p, b, m: clipped_sum(p, b, jax.random.key(0), m)[:2],  # key unused: sigma 0
+                               rules, params)
+
+    def gradient(params, batch, key, mask):
+        losses, sums = summed(params, batch, mask)
+        thresholds = make_plan(loss_fn, cfg, params, batch).thresholds  # static: traced abstractly
+        std = noise.noise_std(cfg.noise_multiplier, thresholds)
+        return losses, noise.add_noise_and_normalise(sums, key, std, cfg.expected_batch_size, "partitionable")
+
+    return gradient
+
+
+def explicit_mean_gradient(loss_fn, rules: ShardingRules, params):
+    """The non-private counterpart of :func:`explicit_private_gradient` (same collectives): the gradient of the
+    masked mean loss, ``fn(params, batch, key, mask) -> (losses [B], grads)`` (``key`` unused)."""
+    def local_sum(params, batch, mask):
+        def total(p):
+            losses = loss_fn(p, batch)
+            return jnp.sum(losses * mask.astype(losses.dtype)), losses
+        (_, losses), grads = jax.value_and_grad(total, has_aux=True)(params)
+        return losses, grads
+
+    summed = explicit_gradient(local_sum, rules, params)
+
+    def gradient(params, batch, key, mask):
+        losses, sums = summed(params, batch, mask)
+        count = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+        return losses, jax.tree.map(lambda g: (g.astype(jnp.float32) / count).astype(g.dtype), sums)
 
     return gradient

@@ -39,10 +39,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, hf, models, noise, peft, rmm, rmm_diagnostics, sharding, text
+from dpzero_jax import accounting, hf, models, peft, rmm, rmm_diagnostics, sharding, text
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
-from dpzero_jax.engine import make_plan, private_value_and_grad
+from dpzero_jax.engine import private_value_and_grad
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
 MODELS = ("mlp", "vit")          # or "hf:PATH", a Hugging Face checkpoint directory (GPT-2, BERT, RoBERTa, ViT)
@@ -725,34 +725,10 @@ class Trainer:
         self._evaluate = jax.jit(evaluate)
 
     def _explicit_gradient(self, loss_fn, dp_cfg: DPConfig | None):
-        """``gradient(params, batch, key, mask)`` of the ``explicit`` strategy: per-device sums in ``shard_map``
-        (:func:`sharding.explicit_gradient`), then noise (partitionable, on the owner's shard) and normalisation."""
+        """``gradient(params, batch, key, mask)`` of the ``explicit`` strategy (:mod:`dpzero_jax.sharding`)."""
         if dp_cfg is None:
-            def local_sum(params, batch, mask):
-                def total(p):
-                    losses = loss_fn(p, batch)
-                    return jnp.sum(losses * mask.astype(losses.dtype)), losses
-                (_, losses), grads = jax.value_and_grad(total, has_aux=True)(params)
-                return losses, grads
-        else:  # the clipped sum of the local examples: no noise, no division
-            clipped_sum = private_value_and_grad(loss_fn, dp_cfg.replace(noise_multiplier=0.0, expected_batch_size=1.0))
-
-            def local_sum(params, batch, mask):
-                losses, sums, _ = clipped_sum(params, batch, jax.random.key(0), mask)  # the key is unused (sigma 0)
-                return losses, sums
-
-        summed = sharding.explicit_gradient(local_sum, self.rules, self.init_params)
-
-        def gradient(params, batch, key, mask):
-            losses, sums = summed(params, batch, mask)
-            if dp_cfg is None:
-                count = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
-                return losses, jax.tree.map(lambda g: (g.astype(jnp.float32) / count).astype(g.dtype), sums)
-            thresholds = make_plan(loss_fn, dp_cfg, params, batch).thresholds  # static: traced abstractly
-            std = noise.noise_std(dp_cfg.noise_multiplier, thresholds)
-            return losses, noise.add_noise_and_normalise(sums, key, std, dp_cfg.expected_batch_size, "partitionable")
-
-        return gradient
+            return sharding.explicit_mean_gradient(loss_fn, self.rules, self.init_params)
+        return sharding.explicit_private_gradient(loss_fn, dp_cfg, self.rules, self.init_params)
 
     def _place(self, params, opt_state):
         """Fresh device copies (the step donates its inputs), laid out as the ZeRO stage says if there is a mesh."""

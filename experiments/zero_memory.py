@@ -34,8 +34,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from dpzero_jax import DPConfig, models, noise, planner, private_value_and_grad, sharding  # noqa: E402
-from dpzero_jax.engine import make_plan  # noqa: E402
+from dpzero_jax import DPConfig, models, planner, private_value_and_grad, sharding  # noqa: E402
 
 CONFIG = models.GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=4, n_head=4)
 BATCH, SEQ = 16, 64
@@ -54,13 +53,10 @@ def compile_step(strategy: str, zero: int, devices: int):
     mask = jax.ShapeDtypeStruct((BATCH,), jnp.bool_)
 
     if strategy == "explicit":
-        clipped = private_value_and_grad(loss_fn, dp.replace(noise_multiplier=0.0, expected_batch_size=1.0))
-        summed = sharding.explicit_gradient(lambda p, b, m: clipped(p, b, jax.random.key(0), m)[:2], rules, params)
+        explicit = sharding.explicit_private_gradient(loss_fn, dp, rules, params)
 
         def gradient(p, b, key, m):
-            _, sums = summed(p, b, m)
-            std = noise.noise_std(dp.noise_multiplier, make_plan(loss_fn, dp, p, b).thresholds)
-            return noise.add_noise_and_normalise(sums, key, std, BATCH, "partitionable")
+            return explicit(p, b, key, m)[1]
     else:
         private = private_value_and_grad(loss_fn, dp)
 
