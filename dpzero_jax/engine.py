@@ -181,7 +181,24 @@ def _assemble(params, grads_by_path: dict[str, Array]):
     return jax.tree.unflatten(treedef, out)
 
 
-def _per_example_uses(plan: Plan, calls: dict[int, tuple], cotangents: dict[int, Array], paths) -> dict:
+def _call_params(record: tape_lib.CallRecord, call_params: dict, layout) -> dict:
+    """A captured call's parameters as the rule's ``per_example_grads`` reads them. With parameters stored as shards
+    the capture holds the shards; the rules read only the shapes of trainable parameters (the per-example gradient
+    is a function of the layer input and output gradient), so the whole weight's shape stands in for it."""
+    if layout is None:
+        return call_params
+    return {**call_params, **{name: layout.full(path) for name, path in record.param_paths if layout.gathers(path)}}
+
+
+def _scatter(layout, grads_by_path: dict[str, Array]) -> dict[str, Array]:
+    """Whole-weight gradients to their owners (identity without a layout)."""
+    if layout is None:
+        return grads_by_path
+    return {path: layout.scatter(path, grad) for path, grad in grads_by_path.items()}
+
+
+def _per_example_uses(plan: Plan, calls: dict[int, tuple], cotangents: dict[int, Array], paths,
+                      layout=None) -> dict:
     """``{path: [PerExampleGrad, ...]}`` from captured ``calls[index] = (x, params)`` and output gradients."""
     by_index = {r.index: r for r in plan.records}
     cache: dict[int, dict] = {}
@@ -192,7 +209,8 @@ def _per_example_uses(plan: Plan, calls: dict[int, tuple], cotangents: dict[int,
             if index not in cache:
                 record = by_index[index]
                 x, call_params = calls[index]
-                cache[index] = record.rule.per_example_grads(call_params, x, cotangents[index], record.spec)
+                cache[index] = record.rule.per_example_grads(_call_params(record, call_params, layout), x,
+                                                             cotangents[index], record.spec)
             uses[path].append(cache[index][name])
     return uses
 
@@ -209,9 +227,12 @@ def _keep(losses, mask):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The modes.
+# The modes. Each takes ``(loss_fn, cfg, plan, params, batch, mask, layout=None)`` and returns the clipped sum
+# (no noise). ``layout`` (a :class:`~dpzero_jax.tape.ParamLayout`; inside ``jax.shard_map`` only): ``params`` are
+# the device's shards, every layer gathers its weights just before use (:mod:`dpzero_jax.tape`), and the clipped sum
+# comes back as the owners' shards, summed over the ``fsdp`` axis only (the caller sums over the data axis).
 
-def bk_forward(loss_fn, plan: Plan, params, leaf_ids, batch):
+def bk_forward(loss_fn, plan: Plan, params, leaf_ids, batch, layout=None):
     """The book-keeping forward on one (micro)batch: ``(losses [b], pullback, calls)``.
 
     ``pullback`` maps a loss cotangent to the output gradients of the trainable layer calls (its residuals and
@@ -221,7 +242,7 @@ def bk_forward(loss_fn, plan: Plan, params, leaf_ids, batch):
     probes = {r.index: jnp.zeros((size,) + r.output_shape[1:], r.output_dtype) for r in plan.records}
 
     def forward(probes):
-        capture = tape_lib.CaptureTape(leaf_ids, probes)
+        capture = tape_lib.CaptureTape(leaf_ids, probes, layout=layout)
         with tape_lib.active(capture):
             losses = loss_fn(params, batch)
         return losses, capture.calls
@@ -229,12 +250,12 @@ def bk_forward(loss_fn, plan: Plan, params, leaf_ids, batch):
     return jax.vjp(forward, probes, has_aux=True)
 
 
-def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask):
+def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask, layout=None):
     """Book-keeping on one (micro)batch: ``(losses [b], {path: clipped sum}, norms [b, M], coef [b, M])``."""
     size = _batch_size(batch)
-    losses, pullback, calls = bk_forward(loss_fn, plan, params, leaf_ids, batch)
+    losses, pullback, calls = bk_forward(loss_fn, plan, params, leaf_ids, batch, layout)
     (output_grads,) = pullback(jnp.ones_like(losses))
-    uses = _per_example_uses(plan, calls, output_grads, plan.uses)
+    uses = _per_example_uses(plan, calls, output_grads, plan.uses, layout)
     kernel = cfg.norm_kernel
     if kernel == "pallas":
         # The kernels never hold a per-example gradient: norms and clipped sums are separate tiled passes.
@@ -251,19 +272,19 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask)
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
     grads = {path: pergrad.weighted_sum([pergrad.Direct(instantiated[path])] if path in instantiated else u,
                                         coef[:, plan.group_of[path]], kernel) for path, u in uses.items()}
-    return losses, grads, norms, coef
+    return losses, _scatter(layout, grads), norms, coef
 
 
-def _bk(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+def _bk(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None) -> _Clipped:
     leaf_ids = _leaf_ids(params)
     chunk = cfg.microbatch_size or plan.batch_size
     if chunk >= plan.batch_size:
-        losses, grads, norms, coef = _bk_chunk(loss_fn, cfg, plan, params, leaf_ids, batch, mask)
+        losses, grads, norms, coef = _bk_chunk(loss_fn, cfg, plan, params, leaf_ids, batch, mask, layout)
         return _Clipped(losses, _assemble(params, grads), norms, coef)
     chunks, chunk_mask, unsplit = _microbatches(batch, mask, chunk)
 
-    def step(acc, inputs):
-        losses, grads, norms, coef = _bk_chunk(loss_fn, cfg, plan, params, leaf_ids, *inputs)
+    def step(acc, inputs):  # with a layout each microbatch's sums go to their owners (no whole-size accumulator)
+        losses, grads, norms, coef = _bk_chunk(loss_fn, cfg, plan, params, leaf_ids, *inputs, layout)
         return {path: acc[path] + grads[path] for path in acc}, (losses, norms, coef)
 
     init = {path: jnp.zeros(np.shape(leaf), jnp.float32)
@@ -289,14 +310,14 @@ def _microbatches(batch, mask, chunk: int):
     return jax.tree.map(split, batch), split(mask), unsplit
 
 
-def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None) -> _Clipped:
     shared = plan.shared_calls
     probes = {r.index: jnp.zeros(r.output_shape, r.output_dtype) for r in plan.records if r.index in shared}
     sinks = {r.index: jnp.zeros((plan.batch_size, len(r.names)), jnp.float32)
              for r in plan.records if r.index not in shared}
 
     def forward(params, sinks, probes):
-        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method, cfg.norm_kernel)
+        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method, cfg.norm_kernel, layout)
         with tape_lib.active(ghost):
             losses = loss_fn(params, batch)
         return (losses, ghost.ports), ghost.calls
@@ -311,7 +332,7 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
             sq[path] = sq.get(path, 0.0) + per_param[:, j]
     # Every parameter of a captured call (not only the tied one: e.g. the bias of a tied head) is handled here.
     shared_paths = [p for p, us in plan.uses.items() if any(index in shared for index, _ in us)]
-    shared_uses = _per_example_uses(plan, calls, probe_ct, shared_paths)
+    shared_uses = _per_example_uses(plan, calls, probe_ct, shared_paths, layout)
     for path, u in shared_uses.items():
         sq[path] = pergrad.sq_norm(u, cfg.norm_method, cfg.norm_kernel)
     norms = jnp.sqrt(_group_sq(plan, sq))
@@ -319,8 +340,8 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     port_ct = {index: jnp.stack([coef[:, plan.group_of[path]] for _, path in by_index[index].param_paths], axis=1)
                for index in ports}
     clipped, _, _ = pullback((ones, port_ct))
-    extra = {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]], cfg.norm_kernel)
-             for path, u in shared_uses.items()}
+    extra = _scatter(layout, {path: pergrad.weighted_sum(u, coef[:, plan.group_of[path]], cfg.norm_kernel)
+                              for path, u in shared_uses.items()})
     if extra:
         extra_tree = _assemble(params, extra)
         clipped = jax.tree.map(jnp.add, clipped, extra_tree)
@@ -352,13 +373,13 @@ def _fused_local_clips(cfg: DPConfig, plan: Plan) -> dict[int, tape_lib.LocalCli
     return clips
 
 
-def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None) -> _Clipped:
     clips = _fused_local_clips(cfg, plan)
     sinks = {r.index: jnp.zeros((plan.batch_size, len(r.names)), jnp.float32) for r in plan.records}
     keep = mask.astype(jnp.float32)
 
     def forward(params, sinks):
-        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method, cfg.norm_kernel)
+        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method, cfg.norm_kernel, layout)
         with tape_lib.active(fused):
             return loss_fn(params, batch)
 
@@ -377,7 +398,10 @@ def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
     return _Clipped(losses, clipped, norms, coef)
 
 
-def _vmap(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask) -> _Clipped:
+def _vmap(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None) -> _Clipped:
+    if layout is not None:
+        raise ValueError("mode='vmap' differentiates the loss per example and needs whole parameters; it cannot "
+                         "gather layer by layer (the explicit strategy gathers every weight first in this mode)")
     chunk = min(cfg.microbatch_size or plan.batch_size, plan.batch_size)
     chunks, chunk_mask, unsplit = _microbatches(batch, mask, chunk)
     leaves, treedef = jax.tree.flatten(params)
@@ -446,6 +470,50 @@ def _check_mask(mask, batch_size):
     return mask.astype(bool)
 
 
+def _clip(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None) -> tuple[Plan, _Clipped, DPStats]:
+    """Plan, run the configured mode, and summarise: ``(plan, clipped result, stats)``. With a ``layout`` the plan
+    is traced on the whole parameters' shapes (``layout.full``) and the mode on the shards."""
+    plan_params = params if layout is None else _whole_shapes(params, layout)
+    plan = make_plan(loss_fn, cfg, plan_params, batch, require_supported=cfg.mode != "vmap")
+    concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
+    mask = _check_mask(mask, plan.batch_size)
+    result = MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
+    nonfinite = jnp.logical_and(mask, jnp.logical_not(jnp.logical_and(
+        jnp.isfinite(result.losses), jnp.all(jnp.isfinite(result.norms), axis=1))))
+    squeeze = (lambda x: x[:, 0]) if result.norms.shape[1] == 1 else (lambda x: x)
+    stats = DPStats(squeeze(result.norms), squeeze(result.coef), jnp.sum(nonfinite).astype(jnp.int32),
+                    jnp.sum(jnp.logical_and(mask, jnp.logical_not(nonfinite))).astype(jnp.int32))
+    return plan, result, stats
+
+
+def _whole_shapes(params, layout):
+    """``ShapeDtypeStruct`` tree of the whole parameters whose shards ``params`` are."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(treedef, [layout.full(path) if layout.gathers(path) else
+                                        jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
+                                        for path, leaf in zip(leaf_paths(params), leaves)])
+
+
+def clipped_grad_sum(loss_fn: Callable, cfg: DPConfig, *, layout=None) -> Callable:
+    """The clipped per-example gradient SUM, no noise and no normalisation: ``fn(params, batch, mask=None) ->
+    (losses [B], sum_i mask_i C_i grad L_i, stats: DPStats)`` (``cfg.noise_multiplier`` and
+    ``expected_batch_size`` are not used). The building block of :func:`private_value_and_grad` and of the
+    sharded strategies, which sum it over devices before adding noise once.
+
+    ``layout`` (a :class:`~dpzero_jax.tape.ParamLayout`, inside ``jax.shard_map``): ``params`` are this device's
+    shards; each layer gathers its weights just before use and the sum comes back as the owners' shards reduced over
+    the ``fsdp`` axis (:class:`dpzero_jax.sharding.ShardLayout`). Not with ``mode="vmap"``.
+    """
+    if not isinstance(cfg, DPConfig):
+        raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
+
+    def clipped(params, batch, mask=None):
+        _, result, stats = _clip(loss_fn, cfg, params, batch, mask, layout)
+        return result.losses, result.clipped_sum, stats
+
+    return clipped
+
+
 def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
     """Transform ``loss_fn(params, batch) -> [B]`` into a differentially private gradient function.
 
@@ -458,21 +526,13 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
 
     def private_grad(params, batch, key, mask=None):
-        plan = make_plan(loss_fn, cfg, params, batch, require_supported=cfg.mode != "vmap")
-        concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
-        mask = _check_mask(mask, plan.batch_size)
-        result = MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask)
+        plan, result, stats = _clip(loss_fn, cfg, params, batch, mask)
         divisor = cfg.expected_batch_size or plan.batch_size
         if cfg.noise_multiplier > 0:
             std = noise.noise_std(cfg.noise_multiplier, plan.thresholds)
             grads = noise.add_noise_and_normalise(result.clipped_sum, key, std, divisor, cfg.noise_rng)
         else:
             grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / divisor).astype(g.dtype), result.clipped_sum)
-        nonfinite = jnp.logical_and(mask, jnp.logical_not(jnp.logical_and(
-            jnp.isfinite(result.losses), jnp.all(jnp.isfinite(result.norms), axis=1))))
-        squeeze = (lambda x: x[:, 0]) if result.norms.shape[1] == 1 else (lambda x: x)
-        stats = DPStats(squeeze(result.norms), squeeze(result.coef), jnp.sum(nonfinite).astype(jnp.int32),
-                        jnp.sum(jnp.logical_and(mask, jnp.logical_not(nonfinite))).astype(jnp.int32))
         return result.losses, grads, stats
 
     return private_grad

@@ -29,17 +29,23 @@ ZeRO stages (paper 000 §2.2; Rajbhandari et al.)
     owner, and the same key gives the same noise on any number of devices.
 
     Strategy ``"explicit"`` (:func:`explicit_gradient`, paper 003): the gradient is computed inside
-    ``jax.shard_map`` with the collectives written out. Each device all-gathers every weight it needs over ``fsdp``
-    (stage 3; stages 1-2 hold full copies), computes the clipped per-example gradient SUM of its own examples with
-    the ordinary engine (no communication inside: norms and clipping are per example), and sends each weight
-    gradient to its owner with ``psum_scatter`` over ``fsdp`` (stages 2-3; a ``psum`` at stage 1 and for replicated
-    tensors), summed over ``data``. Noise, normalisation and the optax update then run on the owner's shard only
-    (elementwise; no communication). The collectives are exactly those of non-private ZeRO: the DP step and the
-    non-private step differ only in the local computation.
+    ``jax.shard_map`` with the collectives written out. Each device computes the clipped per-example gradient SUM
+    of its own examples with the ordinary engine (no communication for norms and clipping: they are per example).
+    At stage 3 the parameters stay shards (:class:`ShardLayout`): each layer all-gathers its weights over ``fsdp``
+    just before use, lets the copy go, gathers them again in the backward pass, and reduce-scatters its clipped
+    weight gradient to the owner (``psum_scatter`` over ``fsdp``) as soon as the layer's backward has formed it
+    (engine modes ``bk``, ``ghost``, ``fused``; ``vmap`` differentiates per example and gathers every weight
+    first). At stages 1-2 parameters are whole on every device and the summed gradients go to their owners after
+    the local backward (``psum_scatter`` at stage 2, ``psum`` at stage 1). Everything is then summed over
+    ``data``; noise, normalisation and the optax update run on the owner's shard only (elementwise; no
+    communication). The collectives are those of non-private ZeRO (:func:`explicit_mean_gradient`): the DP step
+    and the non-private step differ only in the local computation (``ghost`` mode gathers each weight once more:
+    it has two backward passes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -50,10 +56,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dpzero_jax import noise
-from dpzero_jax.engine import make_plan, private_value_and_grad
+from dpzero_jax import tape as tape_lib
+from dpzero_jax.engine import clipped_grad_sum, leaf_paths, make_plan
+from dpzero_jax.sketch import finite_zero
 
-__all__ = ["MeshShape", "ShardingRules", "explicit_gradient", "explicit_mean_gradient", "explicit_private_gradient",
-           "make_mesh", "parse_mesh", "weight_spec"]
+__all__ = ["MeshShape", "ShardLayout", "ShardingRules", "explicit_apply", "explicit_gradient",
+           "explicit_mean_gradient", "explicit_private_gradient", "make_mesh", "parse_mesh", "weight_spec"]
 
 AXES = ("data", "fsdp")
 BATCH_AXES = ("data", "fsdp")
@@ -172,19 +180,73 @@ def _fsdp_dim(spec: PartitionSpec) -> int | None:
     return None
 
 
-def explicit_gradient(local_sum, rules: ShardingRules, params):
+def _all_gather(shard, dim: int):
+    return jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
+
+
+def _reduce_scatter(grad, dim: int):
+    return jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True)
+
+
+class ShardLayout:
+    """ZeRO-3 parameters inside ``jax.shard_map``: which leaves arrive as ``fsdp`` shards and how to make them whole
+    (the :class:`dpzero_jax.tape.ParamLayout` the engine's tapes use to gather layer by layer).
+
+    ``params``: the whole parameters (arrays or ``ShapeDtypeStruct``), ``rules``: the mesh's rules. A leaf that
+    :func:`weight_spec` splits on dimension ``d`` arrives as ``[.., n_d / fsdp, ..]``; ``gather`` is
+    ``all_gather(tiled=True)`` over ``fsdp`` on ``d``, ``scatter`` is ``psum_scatter(tiled=True)`` over ``fsdp`` on
+    ``d`` (the sum over the ``fsdp`` devices of their whole-weight gradients, each device keeping its shard). Other
+    leaves are whole on every device: identity.
+    """
+
+    def __init__(self, rules: ShardingRules, params):
+        paths = leaf_paths(params)
+        leaves = jax.tree.leaves(params)
+        self._full = {path: jax.ShapeDtypeStruct(tuple(np.shape(leaf)), jnp.result_type(leaf))
+                      for path, leaf in zip(paths, leaves)}
+        self._dims = {}
+        for path, leaf in zip(paths, leaves):
+            dim = _fsdp_dim(weight_spec(tuple(np.shape(leaf)), rules.fsdp, rules.min_shard_elements))
+            if dim is not None:
+                self._dims[path] = dim
+
+    def gathers(self, path: str) -> bool:
+        return path in self._dims
+
+    def full(self, path: str) -> jax.ShapeDtypeStruct:
+        return self._full[path]
+
+    def gather(self, path: str, shard, after):
+        """The whole weight, gathered once ``after`` exists: ``shard + 0`` computed from one entry of ``after``
+        (:func:`dpzero_jax.sketch.finite_zero`). Without that data dependency XLA hoists every layer's gather to the
+        start of the program, or merges a backward pass's gather with the forward's, keeping whole weights alive
+        (``lax.optimization_barrier`` is removed before XLA:CPU's scheduling and common-subexpression passes)."""
+        dim = self._dims.get(path)
+        if dim is None:
+            return shard
+        return _all_gather(shard + finite_zero(after).astype(shard.dtype), dim)
+
+    def scatter(self, path: str, grad):
+        dim = self._dims.get(path)
+        return grad if dim is None else _reduce_scatter(grad, dim)
+
+
+def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_layer: bool = False):
     """The ``explicit`` strategy's gradient: ``fn(params, batch, mask) -> (losses [B], summed_grads)``.
 
-    ``local_sum(full_params, batch_shard, mask_shard) -> (losses [b], grad_sum)`` computes, on one device, the
-    gradient SUM over its own ``b = B / (data * fsdp)`` examples (for DP: the clipped sum, no noise) with respect to
-    full (unsharded) parameters. ``params`` (arrays or ``ShapeDtypeStruct``) give the shapes. The returned function
-    runs ``local_sum`` in ``jax.shard_map`` over ``rules.mesh``:
+    ``local_sum(params, batch_shard, mask_shard) -> (losses [b], grad_sum)`` computes, on one device, the gradient
+    SUM over its own ``b = B / (data * fsdp)`` examples (for DP: the clipped sum, no noise). ``params`` (arrays or
+    ``ShapeDtypeStruct``) give the whole shapes. The returned function runs ``local_sum`` in ``jax.shard_map`` over
+    ``rules.mesh``:
 
-    * stage 3: each sharded weight ``[.., d, ..]`` arrives as its ``[.., d / fsdp, ..]`` shard and is all-gathered
-      over ``fsdp`` (``all_gather(tiled=True)``) before use; stages 1-2: parameters are replicated, no gather;
-    * each gradient leaf of a sharded weight is reduce-scattered to its owner over ``fsdp`` (stages 2-3;
-      ``psum_scatter(tiled=True)`` on the weight's sharded dimension) and summed over ``data``; at stage 1 and for
-      replicated tensors it is summed over both axes (all-reduce).
+    * stage 3 with ``gather_by_layer``: ``local_sum`` receives the shards (``[.., d / fsdp, ..]``) and must gather
+      each weight where its layer uses it and return each sharded weight's gradient already reduce-scattered over
+      ``fsdp`` (the engine does both given a :class:`ShardLayout`); it is then summed over ``data``;
+    * otherwise ``local_sum`` receives whole weights: at stage 3 each is all-gathered over ``fsdp`` before the call
+      (``all_gather(tiled=True)``); stages 1-2 hold whole copies. After it, each gradient leaf of a weight that the
+      stage shards is reduce-scattered to its owner over ``fsdp`` (stages 2-3; ``psum_scatter(tiled=True)`` on the
+      weight's sharded dimension) and summed over ``data``; at stage 1 and for replicated tensors it is summed over
+      both axes (all-reduce).
 
     The summed gradient comes out in the stage's gradient layout (:meth:`ShardingRules.grads`); losses keep the
     batch layout. Call it inside ``jax.jit``.
@@ -195,20 +257,22 @@ def explicit_gradient(local_sum, rules: ShardingRules, params):
     param_specs = owner if rules.zero == 3 else replicated
     grad_specs = owner if rules.zero >= 2 else replicated
     batch_spec = PartitionSpec(BATCH_AXES)
+    by_layer = gather_by_layer and rules.zero == 3
 
     def gather(shard, spec):
         dim = _fsdp_dim(spec)
-        return shard if dim is None else jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
+        return shard if dim is None or by_layer else _all_gather(shard, dim)
 
     def reduce(grad, spec):
         dim = _fsdp_dim(spec)
         if dim is None:
             return jax.lax.psum(grad, AXES)
-        return jax.lax.psum(jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True), "data")
+        if by_layer:  # already reduce-scattered over fsdp by its layer
+            return jax.lax.psum(grad, "data")
+        return jax.lax.psum(_reduce_scatter(grad, dim), "data")
 
     def local(params, batch, mask):
-        full = jax.tree.map(gather, params, param_specs)
-        losses, grad_sum = local_sum(full, batch, mask)
+        losses, grad_sum = local_sum(jax.tree.map(gather, params, param_specs), batch, mask)
         return losses, jax.tree.map(reduce, grad_sum, grad_specs)
 
     def gradient(params, batch, mask):
@@ -220,18 +284,20 @@ def explicit_gradient(local_sum, rules: ShardingRules, params):
     return gradient
 
 
-def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params):
+def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params, *, gather_by_layer: bool = True):
     """The private gradient under the explicit strategy: ``fn(params, batch, key, mask) -> (losses [B], grads)``.
 
-    Each device computes the clipped sum of its examples with the engine (``cfg`` with ``noise_multiplier=0`` and
-    ``expected_batch_size=1``), :func:`explicit_gradient` brings the sums to their owners, and
-    :func:`dpzero_jax.noise.add_noise_and_normalise` with the partitionable generator noises each owner's shard --
-    the same call as the one-device path, so the update is the same on any device count. ``cfg`` is a
-    :class:`~dpzero_jax.config.DPConfig` with ``expected_batch_size`` set.
+    Each device computes the clipped sum of its examples with the engine (:func:`dpzero_jax.engine.clipped_grad_sum`;
+    at stage 3 on the shards, gathering layer by layer through a :class:`ShardLayout` -- except in ``vmap`` mode or
+    with ``gather_by_layer=False``, which gather every weight first), :func:`explicit_gradient` brings the sums to
+    their owners, and :func:`dpzero_jax.noise.add_noise_and_normalise` with the partitionable generator noises each
+    owner's shard -- the same call as the one-device path, so the update is the same on any device count. ``cfg``
+    is a :class:`~dpzero_jax.config.DPConfig` with ``expected_batch_size`` set.
     """
-    clipped_sum = private_value_and_grad(loss_fn, cfg.replace(noise_multiplier=0.0, expected_batch_size=1.0))
-    summed = explicit_gradient(lambda p, b, m: clipped_sum(p, b, jax.random.key(0), m)[:2],  # key unused: sigma 0
-                               rules, params)
+    by_layer = gather_by_layer and rules.zero == 3 and cfg.mode != "vmap"
+    layout = ShardLayout(rules, params) if by_layer else None
+    clipped = clipped_grad_sum(loss_fn, cfg, layout=layout)
+    summed = explicit_gradient(lambda p, b, m: clipped(p, b, m)[:2], rules, params, gather_by_layer=by_layer)
 
     def gradient(params, batch, key, mask):
         losses, sums = summed(params, batch, mask)
@@ -242,17 +308,30 @@ def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params):
     return gradient
 
 
-def explicit_mean_gradient(loss_fn, rules: ShardingRules, params):
+def _gathering(layout: ShardLayout | None, params):
+    """The tape that gathers the shards ``params`` layer by layer, or a null context without a layout."""
+    if layout is None:
+        return contextlib.nullcontext()
+    ids = {id(leaf): path for leaf, path in zip(jax.tree.leaves(params), leaf_paths(params))}
+    return tape_lib.active(tape_lib.GatherTape(ids, layout))
+
+
+def explicit_mean_gradient(loss_fn, rules: ShardingRules, params, *, gather_by_layer: bool = True):
     """The non-private counterpart of :func:`explicit_private_gradient` (same collectives): the gradient of the
-    masked mean loss, ``fn(params, batch, key, mask) -> (losses [B], grads)`` (``key`` unused)."""
+    masked mean loss, ``fn(params, batch, key, mask) -> (losses [B], grads)`` (``key`` unused). At stage 3 each
+    layer gathers its weights just before use (:class:`dpzero_jax.tape.GatherTape`) and autodiff reduce-scatters
+    their gradients."""
+    layout = ShardLayout(rules, params) if gather_by_layer and rules.zero == 3 else None
+
     def local_sum(params, batch, mask):
         def total(p):
-            losses = loss_fn(p, batch)
+            with _gathering(layout, p):
+                losses = loss_fn(p, batch)
             return jnp.sum(losses * mask.astype(losses.dtype)), losses
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(params)
         return losses, grads
 
-    summed = explicit_gradient(local_sum, rules, params)
+    summed = explicit_gradient(local_sum, rules, params, gather_by_layer=layout is not None)
 
     def gradient(params, batch, key, mask):
         losses, sums = summed(params, batch, mask)
@@ -260,3 +339,24 @@ def explicit_mean_gradient(loss_fn, rules: ShardingRules, params):
         return losses, jax.tree.map(lambda g: (g.astype(jnp.float32) / count).astype(g.dtype), sums)
 
     return gradient
+
+
+def explicit_apply(apply_fn, rules: ShardingRules, params):
+    """``apply_fn(params, inputs) -> outputs [B, ...]`` (a forward pass built from :mod:`dpzero_jax.ops` layers) on
+    the stage's parameter layout, batch split over the mesh: at stage 3 each layer gathers its weights just before
+    use, as in the training step, instead of every weight at once."""
+    layout = ShardLayout(rules, params) if rules.zero == 3 else None
+    owner = jax.tree.map(lambda x: weight_spec(tuple(np.shape(x)), rules.fsdp, rules.min_shard_elements), params)
+    param_specs = owner if layout is not None else jax.tree.map(lambda _: PartitionSpec(), params)
+    batch_spec = PartitionSpec(BATCH_AXES)
+
+    def local(params, inputs):
+        with _gathering(layout, params):
+            return apply_fn(params, inputs)
+
+    def apply(params, inputs):
+        input_specs = jax.tree.map(lambda _: batch_spec, inputs)
+        return jax.shard_map(local, mesh=rules.mesh, in_specs=(param_specs, input_specs), out_specs=batch_spec,
+                             check_vma=False)(params, inputs)
+
+    return apply

@@ -21,8 +21,24 @@ the layer *is* (by identity) a leaf of the ``params`` being differentiated.
 * :class:`FusedTape`: a ``custom_vjp`` per layer whose backward computes the layer's norms, the clip
   coefficients of its (layer-local) groups and the clipped weight gradient in one go.
 
+* :class:`GatherTape`: no DP work; only for parameters stored as shards (below). The non-private counterpart.
+
 Every tape keeps of a layer input what its rule asks for (``rules.stored_input``: ``x`` itself, or less, such as
 the random projection ``S^T x`` of an RMM layer) and forms the input cotangent with ``rules.input_grad``.
+
+Parameters stored as shards (ZeRO-3 inside ``jax.shard_map``; :class:`ParamLayout`, implemented by
+:class:`dpzero_jax.sharding.ShardLayout`). Then the trainable leaves the loss receives are each device's shards,
+and every tape gathers a call's weights just before the layer uses them and lets the copy go after it:
+
+* every layer becomes a ``custom_vjp`` whose residuals are the shards (never the whole weight): the forward
+  gathers after the layer input exists, the backward gathers again after the output gradient exists (so XLA can
+  neither hoist the gathers to the start of the program nor merge the backward's with the forward's), and each
+  weight gradient the backward forms -- the clipped sum in :class:`GhostTape` and :class:`FusedTape`, the plain
+  gradient in :class:`GatherTape` -- is handed back already reduce-scattered to its owner (``layout.scatter``);
+  book-keeping (:class:`CaptureTape`) forms no weight gradient in the backward (the engine forms the clipped sums
+  from the kept inputs and output gradients, then scatters them).
+
+Norms and clip factors need no communication: each device's examples are complete on that device.
 """
 
 from __future__ import annotations
@@ -30,8 +46,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +72,25 @@ def active(tape):
         _ACTIVE.reset(token)
 
 
+class ParamLayout(Protocol):
+    """Trainable leaves stored as shards (see the module docstring); ``path`` names a leaf as the engine does.
+
+    * ``gathers(path)``: whether the leaf arrives as a shard (else it is already whole);
+    * ``gather(path, shard, after)``: the whole weight, gathered only once ``after`` exists (a data dependency
+      that changes no value: the layer input in a forward pass, the output gradient in a backward pass);
+    * ``scatter(path, grad)``: the owner's part of a whole-weight gradient, summed over the devices sharing it;
+    * ``full(path)``: ``jax.ShapeDtypeStruct`` of the whole weight.
+    """
+
+    def gathers(self, path: str) -> bool: ...
+
+    def gather(self, path: str, shard: jax.Array, after: jax.Array) -> jax.Array: ...
+
+    def scatter(self, path: str, grad: jax.Array) -> jax.Array: ...
+
+    def full(self, path: str) -> jax.ShapeDtypeStruct: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class CallRecord:
     """One layer call seen by the discovery trace."""
@@ -73,9 +109,27 @@ class CallRecord:
 
 
 class _Tape:
-    def __init__(self, leaf_paths: Mapping[int, str]):
+    def __init__(self, leaf_paths: Mapping[int, str], layout: ParamLayout | None = None):
         self._leaf_paths = leaf_paths
+        self.layout = layout
         self._count = 0
+
+    def _gathers(self, paths) -> bool:
+        """Whether any of a call's trainable parameters (``paths {name: path}``) arrives as a shard."""
+        return self.layout is not None and any(self.layout.gathers(path) for path in paths.values())
+
+    def _gather(self, paths, trainable, after):
+        """``{name: whole weight}`` of a call's trainable parameters, gathered after ``after`` (identity without a
+        layout)."""
+        if self.layout is None:
+            return trainable
+        return {name: self.layout.gather(paths[name], value, after) for name, value in trainable.items()}
+
+    def _scatter(self, paths, grads):
+        """``{name: owner's gradient}`` from whole-weight gradients (identity without a layout)."""
+        if self.layout is None:
+            return grads
+        return {name: self.layout.scatter(paths[name], grad) for name, grad in grads.items()}
 
     def _next(self) -> int:
         index = self._count
@@ -116,17 +170,24 @@ class CaptureTape(_Tape):
     when no trainable parameter of the call needs the input (``rules.needs_input``), or always ``x`` with
     ``keep_inputs`` (for diagnostics that need the exact input)."""
 
-    def __init__(self, leaf_paths, probes: Mapping[int, jax.Array], keep_inputs: bool = False):
-        super().__init__(leaf_paths)
+    def __init__(self, leaf_paths, probes: Mapping[int, jax.Array], keep_inputs: bool = False,
+                 layout: ParamLayout | None = None):
+        super().__init__(leaf_paths, layout)
         self.probes = probes
         self.keep_inputs = keep_inputs
         self.calls: dict[int, tuple] = {}
 
     def _capture(self, index, rule, spec, params, x):
-        trainable, frozen, _ = self._split(params)
+        trainable, frozen, paths = self._split(params)
         held = {name: jax.lax.stop_gradient(v) for name, v in trainable.items()}
         layer_params = {**frozen, **held}
-        if self.keep_inputs:
+        if self._gathers(paths):  # shards: the layer gathers its weights and the backward gathers them again
+            if getattr(rule, "residual", None) is not None:
+                raise ValueError(f"layer rule {rule.name!r} keeps a residual in place of its input; it cannot "
+                                 "gather its weights layer by layer (use whole parameters)")
+            y = _regathering_layer(rule, spec, functools.partial(self._gather, paths), None, held, frozen, x)
+            saved = x if self.keep_inputs or rules.needs_input(rule, trainable) else None
+        elif self.keep_inputs:
             y, saved = rule.apply(layer_params, x, spec), x
         elif rules.needs_input(rule, trainable):
             y, saved = rules.forward_and_stored(rule, layer_params, x, spec)
@@ -134,7 +195,7 @@ class CaptureTape(_Tape):
             # A trainable parameter needs the input only if its per-example gradient does: a layer whose only
             # trainable parameter is its bias (BiTFiT) keeps its output gradient alone.
             y, saved = rule.apply(layer_params, x, spec), None
-        self.calls[index] = (saved, layer_params)
+        self.calls[index] = (saved, layer_params)  # with a layout: the shards (see engine._call_params)
         return y + self.probes[index].astype(y.dtype)
 
     def call(self, rule, spec, params, x):
@@ -144,26 +205,65 @@ class CaptureTape(_Tape):
         return self._capture(index, rule, spec, params, x)
 
 
-def _ghost_layer(rule, spec, names, method, kernel, trainable, frozen, x, sink):
+def _regathering_layer(rule, spec, gather, scatter, trainable, frozen, x):
+    """``rule.apply`` on whole weights gathered from the shards ``trainable`` (``gather(trainable, after)``), as a
+    ``custom_vjp`` that keeps the shards and the input, never the whole weights: the backward gathers again and
+    returns the input cotangent and -- with ``scatter`` (``scatter(grads)``: whole-weight gradients to their
+    owners) -- the weight gradients reduce-scattered to their owners and the cotangents of floating ``frozen``
+    arrays; without it (book-keeping, whose parameters are not differentiated) no weight gradient."""
+
+    def inexact(v):
+        return v is not None and jnp.issubdtype(v.dtype, jnp.inexact)
+
+    def forward(trainable, frozen, x):
+        return rule.apply({**frozen, **gather(trainable, x)}, x, spec)
+
+    def forward_with_residuals(trainable, frozen, x):
+        return forward(trainable, frozen, x), (trainable, frozen, x)
+
+    def backward(residuals, g):
+        trainable, frozen, x = residuals
+        whole = gather(trainable, g)
+        if scatter is None:
+            x_grad = rules.input_grad(rule, {**frozen, **whole}, x, g, spec) if inexact(x) else None
+            return None, None, x_grad
+        floating = {name: v for name, v in frozen.items() if inexact(v)}
+
+        def layer(whole, floating, x_):
+            return rule.apply({**frozen, **floating, **whole}, x_ if inexact(x) else x, spec)
+
+        _, pullback = jax.vjp(layer, whole, floating, x if inexact(x) else None)
+        weight_grads, floating_grads, x_grad = pullback(g)
+        frozen_grads = {name: floating_grads.get(name) for name in frozen}
+        return scatter(weight_grads), frozen_grads, x_grad
+
+    layer = jax.custom_vjp(forward)
+    layer.defvjp(forward_with_residuals, backward)
+    return layer(trainable, frozen, x)
+
+
+def _ghost_layer(rule, spec, names, method, kernel, gather, scatter, trainable, frozen, x, sink):
     """``(y, port)``; backward: ``sink`` cotangent = per-parameter squared norms ``[B, P]``, parameter cotangents =
-    ``sum_i port_ct[i, j] * grad_i`` for parameter ``names[j]``."""
+    ``sum_i port_ct[i, j] * grad_i`` for parameter ``names[j]``. ``gather(trainable, after)`` gives the whole
+    weights from what the layer receives, ``scatter(grads)`` the owners' gradients (both identities unless the
+    parameters are stored as shards)."""
 
     def forward(trainable, frozen, x, sink):
-        return rule.apply({**frozen, **trainable}, x, spec), jnp.zeros_like(sink)
+        return rule.apply({**frozen, **gather(trainable, x)}, x, spec), jnp.zeros_like(sink)
 
     def forward_with_residuals(trainable, frozen, x, sink):
-        y, saved = rules.forward_and_stored(rule, {**frozen, **trainable}, x, spec)
+        y, saved = rules.forward_and_stored(rule, {**frozen, **gather(trainable, x)}, x, spec)
         return (y, jnp.zeros_like(sink)), (trainable, frozen, saved)
 
     def backward(residuals, cotangents):
         trainable, frozen, saved = residuals
         g, coef = cotangents
-        params = {**frozen, **trainable}
+        params = {**frozen, **gather(trainable, g)}
         uses = rule.per_example_grads(params, saved, g, spec)
         sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
         grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
-        return grads, None, rules.input_grad(rule, params, saved, g, spec), sq
+        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq
 
     layer = jax.custom_vjp(forward)
     layer.defvjp(forward_with_residuals, backward)
@@ -171,8 +271,9 @@ def _ghost_layer(rule, spec, names, method, kernel, trainable, frozen, x, sink):
 
 
 class GhostTape(CaptureTape):
-    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str, kernel: str = "xla"):
-        super().__init__(leaf_paths, probes)
+    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str, kernel: str = "xla",
+                 layout: ParamLayout | None = None):
+        super().__init__(leaf_paths, probes, layout=layout)
         self.sinks = sinks
         self.method = method
         self.kernel = kernel
@@ -184,9 +285,10 @@ class GhostTape(CaptureTape):
             return self._capture(index, rule, spec, params, x)
         if index not in self.sinks:
             return rule.apply(params, x, spec)
-        trainable, frozen, _ = self._split(params)
-        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, self.kernel, trainable, frozen, x,
-                               self.sinks[index])
+        trainable, frozen, paths = self._split(params)
+        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, self.kernel,
+                               functools.partial(self._gather, paths), functools.partial(self._scatter, paths),
+                               trainable, frozen, x, self.sinks[index])
         self.ports[index] = port
         return y
 
@@ -204,17 +306,20 @@ class LocalClip:
     coefficients: Callable
 
 
-def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, trainable, frozen, x, sink, keep):
+def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, gather, scatter, trainable, frozen, x,
+                 sink, keep):
+    """``gather`` / ``scatter``: as in :func:`_ghost_layer`."""
+
     def forward(trainable, frozen, x, sink, keep):
-        return rule.apply({**frozen, **trainable}, x, spec)
+        return rule.apply({**frozen, **gather(trainable, x)}, x, spec)
 
     def forward_with_residuals(trainable, frozen, x, sink, keep):
-        y, saved = rules.forward_and_stored(rule, {**frozen, **trainable}, x, spec)
+        y, saved = rules.forward_and_stored(rule, {**frozen, **gather(trainable, x)}, x, spec)
         return y, (trainable, frozen, saved, keep)
 
     def backward(residuals, g):
         trainable, frozen, saved, keep = residuals
-        params = {**frozen, **trainable}
+        params = {**frozen, **gather(trainable, g)}
         uses = rule.per_example_grads(params, saved, g, spec)
         sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
         group_of = jnp.asarray(clip.group_of)
@@ -223,7 +328,7 @@ def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, trainable, 
         coef = clip.coefficients(jnp.sqrt(group_sq), jnp.asarray(clip.thresholds, jnp.float32), keep)
         grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
-        return grads, None, rules.input_grad(rule, params, saved, g, spec), sq, None
+        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq, None
 
     layer = jax.custom_vjp(forward)
     layer.defvjp(forward_with_residuals, backward)
@@ -232,14 +337,33 @@ def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, trainable, 
 
 class FusedTape(_Tape):
     def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method,
-                 kernel: str = "xla"):
-        super().__init__(leaf_paths)
+                 kernel: str = "xla", layout: ParamLayout | None = None):
+        super().__init__(leaf_paths, layout)
         self.sinks, self.clips, self.keep, self.method, self.kernel = sinks, clips, keep, method, kernel
 
     def call(self, rule, spec, params, x):
         index = self._next()
         if index not in self.sinks:
             return rule.apply(params, x, spec)
-        trainable, frozen, _ = self._split(params)
-        return _fused_layer(rule, spec, tuple(trainable), self.method, self.kernel, self.clips[index], trainable,
-                            frozen, x, self.sinks[index], self.keep)
+        trainable, frozen, paths = self._split(params)
+        return _fused_layer(rule, spec, tuple(trainable), self.method, self.kernel, self.clips[index],
+                            functools.partial(self._gather, paths), functools.partial(self._scatter, paths),
+                            trainable, frozen, x, self.sinks[index], self.keep)
+
+
+class GatherTape(_Tape):
+    """Ordinary layers on parameters stored as shards (``layout``; no DP work): each call with a sharded trainable
+    parameter gathers it just before use and again in the backward pass, and its weight gradient comes back
+    reduce-scattered to the owner (:func:`_regathering_layer`). Differentiate the loss with ``jax.grad`` as usual:
+    the gradient of each shard is the owner's sum over the ``fsdp`` devices."""
+
+    def __init__(self, leaf_paths, layout: ParamLayout):
+        super().__init__(leaf_paths, layout)
+
+    def call(self, rule, spec, params, x):
+        self._next()
+        trainable, frozen, paths = self._split(params)
+        if not self._gathers(paths):
+            return rule.apply(params, x, spec)
+        return _regathering_layer(rule, spec, functools.partial(self._gather, paths),
+                                  functools.partial(self._scatter, paths), trainable, frozen, x)

@@ -687,6 +687,9 @@ class Trainer:
             return batch[inputs] if isinstance(inputs, str) else {k: batch[k] for k in inputs}
 
         grad_shardings = None if self.rules is None else self.rules.grads(self.init_params)
+        step_apply = apply_fn  # the training batch's accuracy after the update
+        if self.rules is not None and cfg.strategy == "explicit":  # gathers layer by layer, as the gradient does
+            step_apply = sharding.explicit_apply(apply_fn, self.rules, self.init_params)
 
         def step(params, opt_state, batch, noise_key, mask):
             batch = _cast_inputs(batch, compute_dtype)
@@ -701,7 +704,7 @@ class Trainer:
             loss = jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / count
             if lm:  # causal LM: the batch's perplexity exp(loss) in place of an accuracy
                 return params, opt_state, loss, jnp.exp(loss)
-            correct = jnp.argmax(apply_fn(params, model_inputs(batch)), -1) == batch["label"]  # after the update
+            correct = jnp.argmax(step_apply(params, model_inputs(batch)), -1) == batch["label"]  # after the update
             return params, opt_state, loss, jnp.sum(correct * w) / count
 
         def evaluate(params, images, labels):
