@@ -20,7 +20,6 @@ the layer *is* (by identity) a leaf of the ``params`` being differentiated.
   another call (tied weights) are captured as in book-keeping so that cross terms can be formed.
 * :class:`FusedTape`: a ``custom_vjp`` per layer whose backward computes the layer's norms, the clip
   coefficients of its (layer-local) groups and the clipped weight gradient in one go.
-
 * :class:`GatherTape`: no DP work; only for parameters stored as shards (below). The non-private counterpart.
 
 Every tape keeps of a layer input what its rule asks for (``rules.stored_input``: ``x`` itself, or less, such as

@@ -11,7 +11,11 @@ compiled executable it reads, per device:
 * **formula**: the ZeRO arguments of this implementation in fp32: stage 3 ``12 Psi / N`` (parameters ``4 Psi`` and
   Adam moments ``8 Psi``, all partitioned; the fp32 gradient, ``4 Psi / N``, is a temporary -- together the paper's
   ``16 Psi / N``), stages 1-2 ``4 Psi + 8 Psi / N``;
-* **planner**: ``dpzero plan``'s parameters + optimizer state for the same decoder, devices and stage (fp32).
+* **planner**: ``dpzero plan``'s parameters + optimizer state for the same decoder, devices and stage (fp32);
+* **temporaries**: ``memory_analysis().temp_size_in_bytes``, the compiled step's peak working memory beyond its
+  arguments and outputs. A second table compares, for the explicit strategy at stage 3, gathering each layer's
+  weights just before use (the default) with gathering every weight before the forward pass: the difference is
+  the whole parameters that per-layer gathering never holds at once.
 
     python experiments/zero_memory.py            # prints the table, writes experiments/results/zero_memory.json
 """
@@ -40,7 +44,7 @@ CONFIG = models.GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=
 BATCH, SEQ = 16, 64
 
 
-def compile_step(strategy: str, zero: int, devices: int):
+def compile_step(strategy: str, zero: int, devices: int, gather_by_layer: bool = True):
     """The compiled private Adam step of :data:`CONFIG` on a ``fsdp=devices`` mesh."""
     model = models.GPT2(CONFIG, rngs=nnx.Rngs(0))
     params, loss_fn = models.lm_objective(model)
@@ -53,7 +57,7 @@ def compile_step(strategy: str, zero: int, devices: int):
     mask = jax.ShapeDtypeStruct((BATCH,), jnp.bool_)
 
     if strategy == "explicit":
-        explicit = sharding.explicit_private_gradient(loss_fn, dp, rules, params)
+        explicit = sharding.explicit_private_gradient(loss_fn, dp, rules, params, gather_by_layer=gather_by_layer)
 
         def gradient(p, b, key, m):
             return explicit(p, b, key, m)[1]
@@ -80,8 +84,8 @@ def _bytes(shape, dtype, sharding_) -> int:
     return math.prod(sharding_.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
 
 
-def measure(strategy: str, zero: int, devices: int) -> dict:
-    compiled, params, opt_state = compile_step(strategy, zero, devices)
+def measure(strategy: str, zero: int, devices: int, gather_by_layer: bool = True) -> dict:
+    compiled, params, opt_state = compile_step(strategy, zero, devices, gather_by_layer)
     state = jax.tree.leaves((params, opt_state))
     shardings = jax.tree.leaves(compiled.input_shardings[0][:2])
     per_device = sum(_bytes(x.shape, x.dtype, s) for x, s in zip(state, shardings, strict=True))
@@ -93,7 +97,8 @@ def measure(strategy: str, zero: int, devices: int) -> dict:
     plan = planner.plan_memory(decoder, devices, BATCH, SEQ, "fp32", zero)
     planned = plan.parameters + plan.optimizer_state
     memory = compiled.memory_analysis()
-    return {"strategy": strategy, "zero": zero, "devices": devices, "params": n_params,
+    return {"strategy": strategy, "zero": zero, "devices": devices, "gather_by_layer": gather_by_layer,
+            "params": n_params,
             "model_state_bytes": per_device, "argument_bytes": int(memory.argument_size_in_bytes),
             "temp_bytes": int(memory.temp_size_in_bytes), "formula_bytes": formula, "planner_bytes": planned,
             "partition_ratio": per_device * devices / total, "vs_formula": per_device / formula,
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
     rows = []
     header = (f"{'strategy':9} {'zero':>4} {'N':>2} {'state MiB':>10} {'args MiB':>9} {'formula':>8} "
-              f"{'planner':>8} {'xN/total':>8} {'/formula':>8} {'/planner':>8}")
+              f"{'planner':>8} {'xN/total':>8} {'/formula':>8} {'/planner':>8} {'temp MiB':>9}")
     print(f"GPT-2 {CONFIG.n_layer}x{CONFIG.n_embd}, vocab {CONFIG.vocab_size}, batch {BATCH} x {SEQ}, fp32 Adam")
     print(header)
     print("-" * len(header))
@@ -121,7 +126,25 @@ def main(argv=None) -> int:
                 print(f"{strategy:9} {zero:>4} {devices:>2} {row['model_state_bytes'] / mib:>10.2f} "
                       f"{row['argument_bytes'] / mib:>9.2f} {row['formula_bytes'] / mib:>8.2f} "
                       f"{row['planner_bytes'] / mib:>8.2f} {row['partition_ratio']:>8.3f} "
-                      f"{row['vs_formula']:>8.3f} {row['vs_planner']:>8.3f}", flush=True)
+                      f"{row['vs_formula']:>8.3f} {row['vs_planner']:>8.3f} {row['temp_bytes'] / mib:>9.2f}",
+                      flush=True)
+    param_mib = rows[0]["params"] * 4 / mib
+    print(f"\nexplicit, stage 3: temporaries when each layer gathers its weights just before use vs gathering every "
+          f"weight first (fp32 parameters {param_mib:.2f} MiB)")
+    header = f"{'N':>2} {'by layer MiB':>13} {'all first MiB':>14} {'saved MiB':>10} {'saved / params':>15}"
+    print(header)
+    print("-" * len(header))
+    gathers = []
+    for devices in (int(d) for d in args.devices.split(",")):
+        if devices == 1:
+            continue
+        by_layer = next(r for r in rows if (r["strategy"], r["zero"], r["devices"]) == ("explicit", 3, devices))
+        upfront = measure("explicit", 3, devices, gather_by_layer=False)
+        gathers.append(upfront)
+        saved = (upfront["temp_bytes"] - by_layer["temp_bytes"]) / mib
+        print(f"{devices:>2} {by_layer['temp_bytes'] / mib:>13.2f} {upfront['temp_bytes'] / mib:>14.2f} "
+              f"{saved:>10.2f} {saved / param_mib:>15.3f}", flush=True)
+    rows.extend(gathers)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": CONFIG.__dict__, "batch": BATCH, "seq": SEQ,
                                           "backend": jax.default_backend(), "rows": rows}, indent=2))
