@@ -10,7 +10,9 @@
   gradients, ``8 Psi`` moments. A partitioned buffer is the flat ZeRO buffer padded to a multiple of ``N``:
   ``ceil(Psi / N)`` elements per device.
 * **gathered weights** (stage 3 only): the all-gathered weights of the largest single layer, at the compute
-  precision, live while that layer runs (one layer at a time, no prefetch; DESIGN §4's explicit strategy).
+  precision, live while that layer runs (one layer at a time, no prefetch; DESIGN §4's explicit strategy). The
+  ``explicit`` strategy of :mod:`dpzero_jax.sharding` gathers linear layers so; it gathers embedding tables and
+  norm parameters in fp32 (its master weights), up to twice this row when the embedding is the largest layer.
 * **activations** (an *estimate*, see :func:`activation_bytes_per_token`): what the backward pass keeps per token
   of the per-device batch, without recomputation.
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,

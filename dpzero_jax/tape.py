@@ -117,12 +117,21 @@ class _Tape:
         """Whether any of a call's trainable parameters (``paths {name: path}``) arrives as a shard."""
         return self.layout is not None and any(self.layout.gathers(path) for path in paths.values())
 
-    def _gather(self, paths, trainable, after):
+    def _gather(self, paths, trainable, after, rule=None, x_dtype=None):
         """``{name: whole weight}`` of a call's trainable parameters, gathered after ``after`` (identity without a
-        layout)."""
+        layout) -- in the input's dtype ``x_dtype`` where the layer ``rule`` uses the weight in it anyway
+        (:func:`dpzero_jax.rules.gather_dtype`: the same result, half the bytes in half precision)."""
         if self.layout is None:
             return trainable
-        return {name: self.layout.gather(paths[name], value, after) for name, value in trainable.items()}
+        whole = {}
+        for name, value in trainable.items():
+            dtype = None if rule is None else rules.gather_dtype(rule, name, value.dtype, x_dtype)
+            whole[name] = self.layout.gather(paths[name], value if dtype is None else value.astype(dtype), after)
+        return whole
+
+    def _gatherer(self, paths, rule, x):
+        """``gather(trainable, after)`` for one call of ``rule`` on ``x``."""
+        return functools.partial(self._gather, paths, rule=rule, x_dtype=x.dtype)
 
     def _scatter(self, paths, grads):
         """``{name: owner's gradient}`` from whole-weight gradients (identity without a layout)."""
@@ -184,7 +193,7 @@ class CaptureTape(_Tape):
             if getattr(rule, "residual", None) is not None:
                 raise ValueError(f"layer rule {rule.name!r} keeps a residual in place of its input; it cannot "
                                  "gather its weights layer by layer (use whole parameters)")
-            y = _regathering_layer(rule, spec, functools.partial(self._gather, paths), None, held, frozen, x)
+            y = _regathering_layer(rule, spec, self._gatherer(paths, rule, x), None, held, frozen, x)
             saved = x if self.keep_inputs or rules.needs_input(rule, trainable) else None
         elif self.keep_inputs:
             y, saved = rule.apply(layer_params, x, spec), x
@@ -233,6 +242,7 @@ def _regathering_layer(rule, spec, gather, scatter, trainable, frozen, x):
 
         _, pullback = jax.vjp(layer, whole, floating, x if inexact(x) else None)
         weight_grads, floating_grads, x_grad = pullback(g)
+        weight_grads = {name: grad.astype(trainable[name].dtype) for name, grad in weight_grads.items()}
         frozen_grads = {name: floating_grads.get(name) for name in frozen}
         return scatter(weight_grads), frozen_grads, x_grad
 
@@ -286,7 +296,7 @@ class GhostTape(CaptureTape):
             return rule.apply(params, x, spec)
         trainable, frozen, paths = self._split(params)
         y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, self.kernel,
-                               functools.partial(self._gather, paths), functools.partial(self._scatter, paths),
+                               self._gatherer(paths, rule, x), functools.partial(self._scatter, paths),
                                trainable, frozen, x, self.sinks[index])
         self.ports[index] = port
         return y
@@ -346,7 +356,7 @@ class FusedTape(_Tape):
             return rule.apply(params, x, spec)
         trainable, frozen, paths = self._split(params)
         return _fused_layer(rule, spec, tuple(trainable), self.method, self.kernel, self.clips[index],
-                            functools.partial(self._gather, paths), functools.partial(self._scatter, paths),
+                            self._gatherer(paths, rule, x), functools.partial(self._scatter, paths),
                             trainable, frozen, x, self.sinks[index], self.keep)
 
 
@@ -364,5 +374,5 @@ class GatherTape(_Tape):
         trainable, frozen, paths = self._split(params)
         if not self._gathers(paths):
             return rule.apply(params, x, spec)
-        return _regathering_layer(rule, spec, functools.partial(self._gather, paths),
+        return _regathering_layer(rule, spec, self._gatherer(paths, rule, x),
                                   functools.partial(self._scatter, paths), trainable, frozen, x)

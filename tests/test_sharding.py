@@ -229,3 +229,17 @@ def test_explicit_stage3_gathers_each_layer_just_before_use():
     assert upfront_gathers == len(sharded)
     assert by_layer_gathers > len(sharded) + 4 * config.n_layer   # every layer's kernels gathered in the backward
     assert upfront_temp - by_layer_temp > 0.5 * param_bytes
+
+
+def test_explicit_stage3_gathers_linear_weights_in_the_compute_precision(tmp_path):
+    """With bf16 compute on fp32 master weights, a linear layer's sharded kernel is cast to bf16 before its gather
+    (the layer casts it anyway: same result, half the bytes), in the DP and the non-DP step alike. Read from the
+    lowered program: XLA:CPU itself widens bf16 collectives to f32 when it compiles."""
+    found = {}
+    for no_dp in (False, True):
+        trainer = Trainer(TrainConfig(out=str(tmp_path), mesh="fsdp=8", strategy="explicit", no_dp=no_dp,
+                                      precision="bf16", noise_multiplier=1.0, **BASE))
+        text = trainer.lower_step().as_text()
+        found[no_dp] = collections.Counter(re.findall(r"all_gather.*?-> tensor<[\dx]*x(\w+)>", text))
+    assert found[False] == found[True]
+    assert set(found[False]) == {"bf16"} and found[False]["bf16"] >= 2

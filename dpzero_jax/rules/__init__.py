@@ -14,6 +14,10 @@ A rule is an object with
 and from these two the registry derives, for any rule, ``sq_norm(a, g)`` and ``clipped_grad(a, g, c)``
 (see :func:`sq_norms` and :func:`clipped_grads`). Inputs always carry the batch axis first: ``x [B, ...]``.
 
+An optional ``used_in_input_dtype`` (a set of parameter names) says which parameters ``apply`` casts to the input's
+dtype before using them (a linear layer's kernel and bias): casting such a parameter to a narrower input dtype
+earlier changes no result, so a sharded copy can be gathered in that dtype (:func:`gather_dtype`).
+
 Two optional hooks let a layer keep less than its input for the backward pass (the RMM layer keeps a random
 projection ``S^T x``, :mod:`dpzero_jax.rules.rmm`):
 
@@ -83,6 +87,15 @@ def input_grad(rule: LayerRule, params, saved, g, spec):
         return None
     _, pullback = jax.vjp(lambda x_: rule.apply(params, x_, spec), saved)
     return pullback(g)[0]
+
+
+def gather_dtype(rule: LayerRule, name: str, param_dtype, x_dtype):
+    """The dtype in which parameter ``name`` of a call on an input of ``x_dtype`` can be gathered without changing
+    the layer's result: the input's dtype when the rule uses the parameter in it and it is narrower (half-precision
+    compute on fp32 master weights: half the communication), else ``None`` (as stored)."""
+    if name not in getattr(rule, "used_in_input_dtype", ()) or not jnp.issubdtype(x_dtype, jnp.floating):
+        return None
+    return x_dtype if jnp.finfo(x_dtype).bits < jnp.finfo(param_dtype).bits else None
 
 
 def needs_input(rule: LayerRule, trainable_names) -> bool:

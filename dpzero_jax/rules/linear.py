@@ -33,6 +33,7 @@ def _shapes(kernel_shape, spec: LinearSpec):
 class LinearRule:
     name = "linear"
     input_free = frozenset({"bias"})
+    used_in_input_dtype = frozenset({"kernel", "bias"})  # cast to x's dtype before use (see rules.gather_dtype)
 
     def apply(self, params, x, spec: LinearSpec):
         kernel, bias = params["kernel"], params.get("bias")
