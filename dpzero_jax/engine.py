@@ -187,7 +187,7 @@ def _call_params(record: tape_lib.CallRecord, call_params: dict, layout) -> dict
     is a function of the layer input and output gradient), so the whole weight's shape stands in for it."""
     if layout is None:
         return call_params
-    return {**call_params, **{name: layout.full(path) for name, path in record.param_paths if layout.gathers(path)}}
+    return {**call_params, **{name: layout.full(path) for name, path in record.param_paths}}
 
 
 def _scatter(layout, grads_by_path: dict[str, Array]) -> dict[str, Array]:
@@ -488,10 +488,7 @@ def _clip(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None) ->
 
 def _whole_shapes(params, layout):
     """``ShapeDtypeStruct`` tree of the whole parameters whose shards ``params`` are."""
-    leaves, treedef = jax.tree.flatten(params)
-    return jax.tree.unflatten(treedef, [layout.full(path) if layout.gathers(path) else
-                                        jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
-                                        for path, leaf in zip(leaf_paths(params), leaves)])
+    return jax.tree.unflatten(jax.tree.structure(params), [layout.full(path) for path in leaf_paths(params)])
 
 
 def clipped_grad_sum(loss_fn: Callable, cfg: DPConfig, *, layout=None) -> Callable:

@@ -180,6 +180,11 @@ def _fsdp_dim(spec: PartitionSpec) -> int | None:
     return None
 
 
+def _specs(shardings):
+    """The ``PartitionSpec`` tree of a tree of ``NamedSharding`` (``shard_map``'s in/out specs)."""
+    return jax.tree.map(lambda sharding_: sharding_.spec, shardings)
+
+
 def _all_gather(shard, dim: int):
     return jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
 
@@ -204,11 +209,9 @@ class ShardLayout:
         leaves = jax.tree.leaves(params)
         self._full = {path: jax.ShapeDtypeStruct(tuple(np.shape(leaf)), jnp.result_type(leaf))
                       for path, leaf in zip(paths, leaves)}
-        self._dims = {}
-        for path, leaf in zip(paths, leaves):
-            dim = _fsdp_dim(weight_spec(tuple(np.shape(leaf)), rules.fsdp, rules.min_shard_elements))
-            if dim is not None:
-                self._dims[path] = dim
+        dims = {path: _fsdp_dim(weight_spec(struct.shape, rules.fsdp, rules.min_shard_elements))
+                for path, struct in self._full.items()}
+        self._dims = {path: dim for path, dim in dims.items() if dim is not None}
 
     def gathers(self, path: str) -> bool:
         return path in self._dims
@@ -251,11 +254,8 @@ def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_laye
     The summed gradient comes out in the stage's gradient layout (:meth:`ShardingRules.grads`); losses keep the
     batch layout. Call it inside ``jax.jit``.
     """
-    mesh, fsdp = rules.mesh, rules.fsdp
-    owner = jax.tree.map(lambda x: weight_spec(tuple(np.shape(x)), fsdp, rules.min_shard_elements), params)
-    replicated = jax.tree.map(lambda _: PartitionSpec(), params)
-    param_specs = owner if rules.zero == 3 else replicated
-    grad_specs = owner if rules.zero >= 2 else replicated
+    mesh = rules.mesh
+    param_specs, grad_specs = _specs(rules.params(params)), _specs(rules.grads(params))
     batch_spec = PartitionSpec(BATCH_AXES)
     by_layer = gather_by_layer and rules.zero == 3
 
@@ -346,8 +346,7 @@ def explicit_apply(apply_fn, rules: ShardingRules, params):
     the stage's parameter layout, batch split over the mesh: at stage 3 each layer gathers its weights just before
     use, as in the training step, instead of every weight at once."""
     layout = ShardLayout(rules, params) if rules.zero == 3 else None
-    owner = jax.tree.map(lambda x: weight_spec(tuple(np.shape(x)), rules.fsdp, rules.min_shard_elements), params)
-    param_specs = owner if layout is not None else jax.tree.map(lambda _: PartitionSpec(), params)
+    param_specs = _specs(rules.params(params))
     batch_spec = PartitionSpec(BATCH_AXES)
 
     def local(params, inputs):

@@ -78,7 +78,7 @@ class ParamLayout(Protocol):
     * ``gather(path, shard, after)``: the whole weight, gathered only once ``after`` exists (a data dependency
       that changes no value: the layer input in a forward pass, the output gradient in a backward pass);
     * ``scatter(path, grad)``: the owner's part of a whole-weight gradient, summed over the devices sharing it;
-    * ``full(path)``: ``jax.ShapeDtypeStruct`` of the whole weight.
+    * ``full(path)``: ``jax.ShapeDtypeStruct`` of the whole weight (of every leaf, sharded or not).
     """
 
     def gathers(self, path: str) -> bool: ...

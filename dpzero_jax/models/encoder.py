@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dpzero_jax import nn
-from dpzero_jax.models.transformer import Block
+from dpzero_jax.models.transformer import encoder_blocks, prepend_class_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +54,8 @@ class Encoder(nnx.Module):
             self.tokens = nn.Linear(config.token_features, d, rngs=rngs)
         self.cls = nn.Embed(1, d, rngs=rngs)
         self.position = nn.Embed(config.max_length + 1, d, rngs=rngs)
-        self.blocks = nnx.List([Block(d, config.num_heads, config.intermediate_size, causal=False,
-                                      approximate_gelu=False, eps=config.layer_norm_eps, rngs=rngs)
-                                for _ in range(config.num_layers)])
+        self.blocks = encoder_blocks(d, config.num_heads, config.intermediate_size, config.num_layers,
+                                     config.layer_norm_eps, rngs=rngs)
         self.ln = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.head = nn.Linear(d, config.num_classes, rngs=rngs)
 
@@ -68,10 +66,7 @@ class Encoder(nnx.Module):
                 expected == 3 and tokens.shape[2] != c.token_features):
             shape = "[B, T]" if expected == 2 else f"[B, T, {c.token_features}]"
             raise ValueError(f"tokens must be {shape} with T <= {c.max_length}, got shape {tokens.shape}")
-        batch, length = tokens.shape[:2]
-        cls = self.cls(jnp.zeros((batch, 1), jnp.int32))
-        x = jnp.concatenate([cls, self.tokens(tokens)], axis=1)
-        x = x + self.position(jnp.broadcast_to(jnp.arange(length + 1), (batch, length + 1)))
+        x = prepend_class_token(self.tokens(tokens), self.cls, self.position)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x[:, 0]))

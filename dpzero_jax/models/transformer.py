@@ -60,3 +60,17 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+def encoder_blocks(d: int, heads: int, intermediate: int, layers: int, eps: float, *, rngs: nnx.Rngs) -> nnx.List:
+    """``layers`` bidirectional pre-LN blocks with exact GELU (ViT and the small encoder classifier)."""
+    return nnx.List([Block(d, heads, intermediate, causal=False, approximate_gelu=False, eps=eps, rngs=rngs)
+                     for _ in range(layers)])
+
+
+def prepend_class_token(x: jax.Array, class_embed: nn.Embed, position_embed: nn.Embed) -> jax.Array:
+    """``x [B, T, d] -> [B, T + 1, d]``: the class token (``class_embed`` row 0) first, then the learned positions
+    ``0 .. T`` added."""
+    batch, length = x.shape[:2]
+    x = jnp.concatenate([class_embed(jnp.zeros((batch, 1), jnp.int32)), x], axis=1)
+    return x + position_embed(jnp.broadcast_to(jnp.arange(length + 1), (batch, length + 1)))

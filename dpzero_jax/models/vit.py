@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dpzero_jax import nn
-from dpzero_jax.models.transformer import Block
+from dpzero_jax.models.transformer import encoder_blocks, prepend_class_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +49,8 @@ class ViT(nnx.Module):
         self.patch_embed = nn.PatchEmbed(config.patch_size, config.num_channels, d, rngs=rngs)
         self.cls_token = nn.Embed(1, d, rngs=rngs)
         self.position = nn.Embed(config.num_patches + 1, d, rngs=rngs)
-        self.blocks = nnx.List([Block(d, config.num_attention_heads, config.intermediate_size, causal=False,
-                                      approximate_gelu=False, eps=config.layer_norm_eps, rngs=rngs)
-                                for _ in range(config.num_hidden_layers)])
+        self.blocks = encoder_blocks(d, config.num_attention_heads, config.intermediate_size,
+                                     config.num_hidden_layers, config.layer_norm_eps, rngs=rngs)
         self.ln = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.head = nn.Linear(d, config.num_classes, rngs=rngs)
 
@@ -61,11 +59,7 @@ class ViT(nnx.Module):
         if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.num_channels):
             raise ValueError(f"images must be [B, {c.image_size}, {c.image_size}, {c.num_channels}], "
                              f"got {images.shape}")
-        batch = images.shape[0]
-        patches = self.patch_embed(images)                                   # [B, N, d]
-        cls = self.cls_token(jnp.zeros((batch, 1), jnp.int32))              # [B, 1, d]
-        x = jnp.concatenate([cls, patches], axis=1)
-        x = x + self.position(jnp.broadcast_to(jnp.arange(x.shape[1]), (batch, x.shape[1])))
+        x = prepend_class_token(self.patch_embed(images), self.cls_token, self.position)   # [B, N + 1, d]
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x[:, 0]))
