@@ -151,9 +151,20 @@ def _show(value) -> str:
     return reprlib.repr(value)
 
 
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Problem(pickle.UnpicklingError):
+    """A refusal inside the unpickler, about the tensor ``tensor`` when known."""
+
+    def __init__(self, problem: str, tensor=None):
+        super().__init__(problem)
+        self.tensor = tensor if type(tensor) is str else None
+
+
 def _why(error: BaseException) -> str:
-    text = str(error)
-    return f"{type(error).__name__}: {text[:200] + '...' if len(text) > 200 else text}"
+    return f"{type(error).__name__}: {_clip(str(error))}"
 
 
 class _StorageType:
@@ -196,7 +207,7 @@ class _Dict(dict):
 
     def __setitem__(self, key, value):
         if key in self:
-            raise pickle.UnpicklingError(f"the name {_show(key)} appears twice")
+            raise _Problem(f"the name {_show(key)} appears twice", key)
         super().__setitem__(key, value)
 
 
@@ -241,7 +252,7 @@ class _StateDictUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its 
             return _StorageType(name)
         if (module, name) in _GLOBALS:
             return _GLOBALS[(module, name)]
-        raise pickle.UnpicklingError(f"the pickle asks for {_show(module)}.{_show(name)}: only tensors, storages and "
+        raise pickle.UnpicklingError(f"the pickle asks for {_clip(f'{module}.{name}')}: only tensors, storages and "
                                      f"OrderedDict may appear (nothing is imported or called; convert other "
                                      f"checkpoints to safetensors with torch)")
 
@@ -334,8 +345,8 @@ def _read_torch_zip(file: Path) -> dict[str, np.ndarray]:
         try:
             state = unpickler.load()
         except Exception as error:  # noqa: BLE001 -- any failure of a malformed pickle: one clear message
-            raise CheckpointFormatError(file, f"malformed or disallowed pickle in {pickles[0]} "
-                                              f"({_why(error)})") from None
+            raise CheckpointFormatError(file, f"malformed or disallowed pickle in {pickles[0]} ({_why(error)})",
+                                        getattr(error, "tensor", None)) from None
         return _materialise(state, archive, prefix, byteorder, file, file_size)
 
 
@@ -456,7 +467,7 @@ def _materialise(state, archive, prefix: str, byteorder: str, file: Path, file_s
                 continue
             view = np.lib.stride_tricks.as_strided(data[offset:], shape=shape,
                                                    strides=tuple(s * dtype.itemsize for s in strides), writeable=False)
-            tensors[name] = np.array(view)  # a contiguous copy
+            tensors[name] = np.array(view, order="C")  # a C-contiguous copy
         del raw, data
     return tensors
 
