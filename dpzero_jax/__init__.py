@@ -1,40 +1,85 @@
-"""dpzero_jax: differentially private training in JAX at almost the cost of non-private training."""
+"""dpzero_jax: differentially private training in JAX at almost the cost of non-private training.
 
-from dpzero_jax import (
-    accounting,
-    clipping,
-    hf,
-    models,
-    nn,
-    noise,
-    ops,
-    peft,
-    pergrad,
-    planner,
-    rmm,
-    rmm_diagnostics,
-    rules,
-    sampling,
-    sharding,
-    sketch,
-    text,
-    train,
-)
-from dpzero_jax.config import DPConfig
-from dpzero_jax.engine import (
-    DPStats,
-    UnsupportedParameterError,
-    autotune,
-    choose_mode,
-    make_plan,
-    per_example_grad_norms,
-    private_value_and_grad,
-)
+Submodules and the names below are imported on first use (PEP 562), so ``import dpzero_jax`` does not import JAX,
+flax or dp-accounting; ``dpzero_jax.accounting``, ``dpzero_jax.DPConfig`` etc. work as attributes as before.
+"""
 
-__all__ = [
-    "DPConfig", "DPStats", "UnsupportedParameterError", "autotune", "choose_mode", "make_plan",
-    "per_example_grad_norms", "private_value_and_grad", "accounting", "clipping", "hf", "models", "nn", "noise",
-    "ops", "peft", "pergrad", "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text",
-    "train",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+# exported name -> the submodule that defines it
+_ATTRIBUTES = {
+    "DPConfig": "config",
+    "DPStats": "engine",
+    "UnsupportedParameterError": "engine",
+    "autotune": "engine",
+    "choose_mode": "engine",
+    "make_plan": "engine",
+    "per_example_grad_norms": "engine",
+    "private_value_and_grad": "engine",
+}
+_SUBMODULES = (
+    "accounting", "clipping", "hf", "models", "nn", "noise", "ops", "peft", "pergrad", "planner", "rmm",
+    "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
+)
+# importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
+_OTHER_SUBMODULES = ("cli", "config", "data", "engine", "tape")
+
+__all__ = [*_ATTRIBUTES, *_SUBMODULES]
+
+
+def __getattr__(name: str):
+    if name in _ATTRIBUTES:
+        value = getattr(importlib.import_module(f"{__name__}.{_ATTRIBUTES[name]}"), name)
+    elif name in _SUBMODULES or name in _OTHER_SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value          # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_OTHER_SUBMODULES})
+
+
+if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run time
+    from dpzero_jax import (  # noqa: F401
+        accounting,
+        cli,
+        clipping,
+        config,
+        data,
+        engine,
+        hf,
+        models,
+        nn,
+        noise,
+        ops,
+        peft,
+        pergrad,
+        planner,
+        rmm,
+        rmm_diagnostics,
+        rules,
+        sampling,
+        sharding,
+        sketch,
+        tape,
+        text,
+        train,
+    )
+    from dpzero_jax.config import DPConfig  # noqa: F401
+    from dpzero_jax.engine import (  # noqa: F401
+        DPStats,
+        UnsupportedParameterError,
+        autotune,
+        choose_mode,
+        make_plan,
+        per_example_grad_norms,
+        private_value_and_grad,
+    )
