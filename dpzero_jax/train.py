@@ -1098,13 +1098,15 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 
 
 def _plot(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Loss and epsilon against the step, as a PNG: matplotlib's object API, so neither the global backend nor
+    pyplot's figure registry is touched (safe in notebooks and other users' processes)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     steps = [r["step"] for r in history]
-    fig, (ax_loss, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_eps = fig.subplots(1, 2)
     ax_loss.plot(steps, [r["loss"] for r in history])
     ax_loss.set(xlabel="step", ylabel="train loss (batch)", title="loss")
     eps = [r["epsilon"] for r in history]
@@ -1116,4 +1118,3 @@ def _plot(history: list[dict], path: Path) -> None:
         ax_eps.set_axis_off()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
