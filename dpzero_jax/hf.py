@@ -297,6 +297,39 @@ class _StateDictUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its 
                                          f"not allowed")
         # an OrderedDict's attributes (a state dict's ``_metadata``): not needed, dropped
 
+    def load_append(self):
+        value = self.stack.pop()
+        self._target(list, "APPEND").append(value)
+
+    def load_appends(self):
+        items = self.pop_mark()
+        self._target(list, "APPENDS").extend(items)
+
+    def load_setitem(self):
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._target(_Dict, "SETITEM")[key] = value
+
+    def load_setitems(self):
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise pickle.UnpicklingError("SETITEMS with an odd number of items")
+        mapping = self._target(_Dict, "SETITEMS")
+        for i in range(0, len(items), 2):
+            mapping[items[i]] = items[i + 1]
+
+    def _target(self, kind: type, opcode: str):
+        """The object an APPEND/SETITEM modifies: only lists and our dicts (the generic unpickler would call
+        ``append``/``extend``/``__setitem__`` of anything on the stack)."""
+        target = self.stack[-1]
+        if type(target) is not kind:
+            raise pickle.UnpicklingError(f"{opcode} on {type(target).__name__} is not allowed")
+        return target
+
+    dispatch[pickle.APPEND[0]] = load_append
+    dispatch[pickle.APPENDS[0]] = load_appends
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
     dispatch[pickle.EMPTY_DICT[0]] = load_empty_dictionary
     dispatch[pickle.DICT[0]] = load_dict
     dispatch[pickle.REDUCE[0]] = load_reduce

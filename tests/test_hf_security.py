@@ -320,6 +320,9 @@ def payloads(canary: str) -> dict[str, bytes]:
                                                     (4,), (1,), False, {"h": open_it})}),
         "BUILD state": b"\x80\x02" + call(glob("collections", "OrderedDict")) + op({"_metadata": open_it}) + b"b.",
         "BUILD on a record": state_pickle({"w": Raw(ok_tensor + op({"args": (canary,)}) + b"b")}),
+        "SETITEM on a record": state_pickle({"w": Raw(ok_tensor + op("args") + op((canary,)) + b"s")}),
+        "APPENDS on a function": b"\x80\x02" + glob("torch._utils", "_rebuild_parameter") + b"(" + op(canary)
+                                 + b"e.",
         "STACK_GLOBAL": b"\x80\x04" + stack_global + op((canary, "w")) + b"R.",
         "INST": b"\x80\x02(" + op(canary) + op("w") + b"ibuiltins\nopen\n.",
         "OBJ": b"\x80\x02(" + glob("builtins", "open") + op(canary) + op("w") + b"o.",
