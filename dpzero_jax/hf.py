@@ -75,11 +75,20 @@ def read_state_dict(path) -> dict[str, np.ndarray]:
                 weight_map = json.loads((directory / index).read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as error:
                 raise ValueError(f"{directory / index}: not a valid shard index ({error})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointFormatError(directory / index, "weight_map is not a mapping of names to shard files")
             tensors = {}
             for shard in sorted(set(weight_map.values())):
+                if shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
+                    raise CheckpointFormatError(directory / index, f"shard {_show(shard)} is not a file name in the "
+                                                                   f"checkpoint directory")
                 if not (directory / shard).is_file():
                     raise FileNotFoundError(f"{directory / index} lists the shard {shard!r}, which is missing")
-                tensors.update(reader(directory / shard))
+                part = reader(directory / shard)
+                twice = sorted(tensors.keys() & part.keys())
+                if twice:
+                    raise CheckpointFormatError(directory / shard, "is also in an earlier shard", twice[0])
+                tensors.update(part)
             missing = sorted(set(weight_map) - set(tensors))
             if missing:
                 raise ValueError(f"{directory / index}: tensors {missing[:5]} are not in their shards")

@@ -4,6 +4,7 @@ the problem; a seeded fuzz proves it never reads outside a storage and never run
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -496,3 +497,22 @@ def test_fuzz_reader_never_reads_out_of_bounds_nor_runs_code(tmp_path, bounds_ch
     assert bounds_checked["calls"] > 50                   # the bounds check was exercised (empty tensors skip it)
     assert layouts["valid"] > 60 and layouts["invalid"] > 100, layouts
     assert outcomes["loaded"] > 100 and outcomes["refused"] > 300, outcomes
+
+
+def test_shard_index_cannot_leave_the_directory_or_repeat_a_tensor(tmp_path):
+    one = state_pickle({"w": tensor(storage("0", 2), 0, (2,), (1,))})
+    write_zip(tmp_path / "a.bin", one, {"0": np.ones(2, np.float32).tobytes()})
+    write_zip(tmp_path / "b.bin", one, {"0": np.zeros(2, np.float32).tobytes()})
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.bin"
+    outside.write_bytes((tmp_path / "a.bin").read_bytes())
+    index = tmp_path / "pytorch_model.bin.index.json"
+    for weight_map, problem, name in (({"w": f"../{outside.name}"}, "not a file name in the checkpoint", None),
+                                      ({"w": str(outside)}, "not a file name in the checkpoint", None),
+                                      ({"w": 3}, "weight_map is not a mapping", None),
+                                      ({"w": "a.bin", "v": "b.bin"}, "also in an earlier shard", "w")):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointFormatError, match=problem) as caught:
+            hf.read_state_dict(tmp_path)
+        assert caught.value.tensor == name
+    index.write_text(json.dumps({"weight_map": {"w": "a.bin"}}))
+    np.testing.assert_array_equal(hf.read_state_dict(tmp_path)["w"], [1.0, 1.0])
