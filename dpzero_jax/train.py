@@ -366,8 +366,10 @@ class TrainResult:
         else:
             privacy = f"epsilon {self.epsilon:.3f} at delta {self.delta:g} (sigma {self.noise_multiplier:.4f})"
             if self.batch_cap is not None and self.truncation_charge is not None:
-                privacy += (f"  batch cap {self.batch_cap} (truncation charged {self.truncation_charge:.2g} "
-                            f"of delta)")
+                reserved = accounting.TRUNCATION_SHARE
+                within = f", within the {reserved:g} reserved" if self.truncation_charge <= reserved else ""
+                privacy += (f"  batch cap {self.batch_cap} (truncation charge {self.truncation_charge:.2g} of "
+                            f"delta{within})")
         if self.task == "causal-lm":
             quality = f"test loss {self.test_loss:.4f}  test perplexity {self.test_perplexity:.2f}"
         else:
@@ -628,7 +630,8 @@ class Trainer:
         # per-row epsilon: composed incrementally at a resolution that keeps a row in milliseconds (running_accountant)
         self._row_accountant = None if not self.formal_guarantee else RunningAccountant(
             cfg.accountant, row_interval(self.planned_epsilon), block=cfg.log_every)
-        # seconds spent in privacy accounting: calibration and planning here, rows and the final epsilon in run()
+        # seconds in privacy accounting: calibration and planning here; in run() the running rows (row_count of
+        # them) and the epsilon of record (the last planned row and the summary, from scratch at full resolution)
         self.accounting_s = {"plan": time.perf_counter() - accounting_start, "rows": 0.0, "row_count": 0,
                              "final": 0.0}
 
@@ -1031,9 +1034,13 @@ class Trainer:
                     if done % cfg.log_every == 0 or done == end or evaluate or diagnostics is not None:
                         # the last planned row: the epsilon of record (from scratch at full resolution)
                         tick = time.perf_counter()
-                        eps = self._epsilon(ledger) if done == self.steps else self._row_epsilon(ledger)
-                        self.accounting_s["rows"] += time.perf_counter() - tick
-                        self.accounting_s["row_count"] += 1
+                        if done == self.steps:
+                            eps = self._epsilon(ledger)
+                            self.accounting_s["final"] += time.perf_counter() - tick
+                        else:
+                            eps = self._row_epsilon(ledger)
+                            self.accounting_s["rows"] += time.perf_counter() - tick
+                            self.accounting_s["row_count"] += 1
                         row = {"step": done, "loss": float(loss), metric_name(False): float(acc),
                                "epsilon": eps, "batch_size": int(batch_info.realised_size)}
                         row.update(diagnostics or {})
@@ -1057,8 +1064,8 @@ class Trainer:
         train_acc = None if lm else self._evaluate_split(params, self.train_data)[1]
         history = _read_metrics(metrics_path, upto=end) if self.is_primary else []
         tick = time.perf_counter()
-        epsilon = self._epsilon(ledger)
-        self.accounting_s["final"] = time.perf_counter() - tick
+        epsilon = self._epsilon(ledger)   # memoised when the last row already composed this ledger
+        self.accounting_s["final"] += time.perf_counter() - tick
         cap = charge = None
         if self.formal_guarantee and cfg.sampling == "poisson":
             cap = int(self.sampler.capacity)

@@ -79,7 +79,8 @@ def run_train(flags: list[str], out: Path, tree: Path, interval: float = 0.5) ->
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, "-m", "dpzero_jax", "train", *flags, "--out", str(out), "--no-progress"]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # cwd=tree too: `python -m` puts the working directory first on sys.path
+    proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     samples: list[dict] = []
     metrics = out / "metrics.jsonl"
 
@@ -179,8 +180,11 @@ def soak(args) -> dict:
         rows = _rows_written(out / "metrics.jsonl")
     samples = r["rss"]
     at = next((x for x in samples if x["step"] >= min(5000, steps // 2)), samples[0])
-    training = [x for x in samples if 0 < x["step"] < steps]   # exclude start-up and the final evaluation
+    # training only: rows 100 steps apart, so samples showing step <= steps - 200 precede the last row, whose
+    # epsilon (dp_accounting from scratch at full resolution) and the final evaluation are reported apart
+    training = [x for x in samples if 0 < x["step"] <= steps - 200]
     end = training[-1] if training else samples[-1]
+    final_peak = max((x["rss_mb"] for x in samples if x["t"] > end["t"]), default=None)
     # step time over the first and the last tenth of the run, from the samples' (time, step) pairs
     def rate(lo: int, hi: int) -> float | None:
         pts = [x for x in training if lo <= x["step"] <= hi]
@@ -192,7 +196,7 @@ def soak(args) -> dict:
     data = {"steps": steps, "flags": flags, "wall_s": r["wall_s"], "summary_line": r["stdout"],
             "rss_at_step": {"step": at["step"], "rss_mb": at["rss_mb"]},
             "rss_end": {"step": end["step"], "rss_mb": end["rss_mb"]},
-            "rss_growth_pct": 100 * (end["rss_mb"] / at["rss_mb"] - 1),
+            "rss_growth_pct": 100 * (end["rss_mb"] / at["rss_mb"] - 1), "rss_peak_after_training_mb": final_peak,
             "step_ms_first_tenth": first, "step_ms_last_tenth": last, "checkpoints_kept": kept,
             "rows": len(rows), "epsilon": r["summary"]["epsilon"],
             "rss_samples": samples[:: max(1, len(samples) // 400)]}
