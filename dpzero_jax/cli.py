@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     privacy.add_argument("--steps", type=_non_negative_int("--steps"), required=True, help="number of noisy steps")
     privacy.add_argument("--delta", type=_unit_interval("--delta", closed_right=False), default=1e-5)
     privacy.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    privacy.add_argument("--dataset-size", type=_positive_int("--dataset-size"),
+                         help="N: also size the Poisson batch cap as `dpzero train` does and include the charge "
+                              "for truncated batches (q * N is the expected batch)")
     _add_train_parser(commands)
     planner.add_parser(commands)
     return parser
@@ -222,10 +225,39 @@ def _privacy(args) -> str:
                                            accountant=args.accountant)
         return (f"noise multiplier {sigma:.4f} gives epsilon <= {args.epsilon:g} at delta={args.delta:g} "
                 f"(q={args.sampling_rate:g}, {args.steps} steps, {args.accountant.upper()})")
+    if args.dataset_size is not None:
+        return _privacy_with_cap(args)
     eps = accounting.epsilon(args.noise_multiplier, args.sampling_rate, args.steps, args.delta,
                              accountant=args.accountant)
     return (f"epsilon = {eps:.4f} at delta={args.delta:g} (sigma={args.noise_multiplier:g}, q={args.sampling_rate:g}, "
             f"{args.steps} steps, {args.accountant.upper()})")
+
+
+def _privacy_with_cap(args) -> str:
+    """``dpzero privacy --dataset-size N``: the batch cap `dpzero train` would choose and the epsilon with its
+    truncation charge (the same computation as the trainer's, on one device)."""
+    from dpzero_jax import accounting
+    from dpzero_jax.sampling import PoissonSampler
+
+    share = accounting.TRUNCATION_SHARE
+    if args.epsilon is not None:
+        sigma = accounting.calibrate_noise(args.epsilon, args.sampling_rate, args.steps, args.delta * (1 - share),
+                                           accountant=args.accountant)
+        planned = args.epsilon
+    else:
+        sigma = args.noise_multiplier
+        if sigma == 0:
+            raise ValueError("--noise-multiplier 0 adds no noise: epsilon is infinite")
+        planned = accounting.planned_epsilon(sigma, args.sampling_rate, args.steps, args.delta * (1 - share),
+                                             accountant=args.accountant)
+    sampler = PoissonSampler.for_privacy_budget(args.dataset_size, args.sampling_rate, args.steps, args.delta, planned)
+    ledger = accounting.PrivacyLedger()
+    ledger.record(sigma, args.sampling_rate, steps=args.steps, truncation_probability=sampler.truncation_probability)
+    eps = ledger.epsilon(args.delta, args.accountant)
+    charge = ledger.truncation_mass * (1 + math.exp(min(eps, 700.0))) / args.delta
+    return (f"epsilon = {eps:.4f} at delta={args.delta:g} (sigma={sigma:.4f}, q={args.sampling_rate:g}, {args.steps} "
+            f"steps, {args.accountant.upper()}); Poisson batch cap {sampler.capacity} slots for N={args.dataset_size} "
+            f"(expected batch {args.sampling_rate * args.dataset_size:.1f}): truncation charged {charge:.2g} of delta")
 
 
 def _load_config_file(path: str) -> dict:

@@ -151,6 +151,24 @@ class PoissonSampler:
         self.overflow_probability = float(stats.binom.sf(self.capacity, n, q))
         self.truncation_probability = float(stats.binom.sf(self.capacity, n + 1, q))
 
+    @classmethod
+    def for_privacy_budget(cls, dataset_size: int, sampling_rate: float, steps: int, delta: float,
+                           final_epsilon: float, capacity_multiple: int = 1) -> PoissonSampler:
+        """The sampler whose cap a DP run of ``steps`` that ends at ``final_epsilon`` can afford.
+
+        The per-step truncation probability is bounded by
+        :func:`dpzero_jax.accounting.plan_overflow_target`, so that the charge for truncated batches,
+        ``steps * eta * (1 + e^eps)``, stays below ``TRUNCATION_SHARE`` (1e-3) of ``delta`` for every epsilon the
+        run reaches; when no positive bound is representable (an epsilon near 700) the cap is ``N + 1`` slots,
+        which never truncate. The trainer and ``dpzero privacy --dataset-size`` both size the cap here."""
+        from dpzero_jax import accounting
+
+        n = _check_size(dataset_size)
+        target = accounting.plan_overflow_target(steps, delta, final_epsilon)
+        if target > 0:
+            return cls(n, sampling_rate, overflow_target=target, capacity_multiple=capacity_multiple)
+        return cls(n, sampling_rate, capacity=-(-(n + 1) // capacity_multiple) * capacity_multiple)
+
     def sample(self, key) -> Batch:
         """Pure function of ``key``. Returns Batch(indices int32 [capacity], mask bool [capacity], realised_size)."""
         rng = _rng(key, 0x504F)

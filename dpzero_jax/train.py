@@ -43,6 +43,7 @@ from dpzero_jax import accounting, hf, models, peft, rmm, rmm_diagnostics, shard
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
+from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
 MODELS = ("mlp", "vit")          # or "hf:PATH", a Hugging Face checkpoint directory (GPT-2, BERT, RoBERTa, ViT)
@@ -59,6 +60,7 @@ RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every",
                      "process_id", "rmm_diagnostics_every", "export")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 CLIP_FNS = ("abadi", "automatic", "global")
+MAX_CAP_FACTOR = 4   # a Poisson batch cap above this many times the expected batch is refused (Trainer._batch_cap)
 
 __all__ = ["TrainConfig", "TrainResult", "Trainer", "train"]
 
@@ -338,6 +340,9 @@ class TrainResult:
     sampling: str = "poisson"
     task: str = "classification"
     test_perplexity: float | None = None   # causal LM: exp(test loss per token)
+    batch_cap: int | None = None           # Poisson: static slots per step (batches beyond are truncated)
+    truncation_charge: float | None = None  # Poisson: share of delta charged for truncation, mass * (1 + e^eps) / delta
+    accounting_s: dict | None = None        # seconds in privacy accounting: plan (calibration), rows, final
     params: Any = dataclasses.field(repr=False, default=None)
     opt_state: Any = dataclasses.field(repr=False, default=None)
     history: list = dataclasses.field(repr=False, default_factory=list)
@@ -360,6 +365,11 @@ class TrainResult:
             privacy = f"sigma {self.noise_multiplier:.4f} but NO formal guarantee ({self.sampling} sampling)"
         else:
             privacy = f"epsilon {self.epsilon:.3f} at delta {self.delta:g} (sigma {self.noise_multiplier:.4f})"
+            if self.batch_cap is not None and self.truncation_charge is not None:
+                reserved = accounting.TRUNCATION_SHARE
+                within = f", within the {reserved:g} reserved" if self.truncation_charge <= reserved else ""
+                privacy += (f"  batch cap {self.batch_cap} (truncation charge {self.truncation_charge:.2g} of "
+                            f"delta{within})")
         if self.task == "causal-lm":
             quality = f"test loss {self.test_loss:.4f}  test perplexity {self.test_perplexity:.2f}"
         else:
@@ -590,19 +600,8 @@ class Trainer:
         else:
             default_steps = math.ceil(cfg.epochs / self.sampling_rate)
         self.steps = cfg.steps if cfg.steps is not None else max(1, default_steps)
-        calibration_delta = cfg.delta
-        if cfg.sampling == "poisson":
-            # overflow probability small enough that its charge to delta is at most 1e-3 * delta (accounting doc)
-            charge = cfg.delta * 1e-3 / (self.steps * (1.0 + math.exp(min(cfg.epsilon, 700.0))))
-            self.sampler = PoissonSampler(n, self.sampling_rate, overflow_target=min(charge, 1e-9),
-                                          capacity_multiple=n_devices)
-            calibration_delta = cfg.delta - self.steps * self.sampler.truncation_probability * (
-                1.0 + math.exp(min(cfg.epsilon, 700.0)))
-        elif cfg.sampling == "fixed-size":
-            self.sampler = FixedSizeSampler(n, cfg.batch_size)
-        slots = self.sampler.capacity if cfg.sampling == "poisson" else cfg.batch_size
-        self.slots = -(-slots // n_devices) * n_devices  # every device gets the same number of slots
-
+        poisson = cfg.sampling == "poisson"
+        accounting_start = time.perf_counter()
         if cfg.no_dp:
             self.noise_multiplier = None
         elif cfg.noise_multiplier is not None:
@@ -612,12 +611,29 @@ class Trainer:
             level = absl_logger.level
             absl_logger.setLevel(logging.ERROR)
             fixed = cfg.sampling == "fixed-size"
+            # Poisson: the batch cap below is sized so that truncation takes TRUNCATION_SHARE of delta at most
+            calibration_delta = cfg.delta * (1.0 - accounting.TRUNCATION_SHARE) if poisson else cfg.delta
             try:
                 self.noise_multiplier = accounting.calibrate_noise(
                     cfg.epsilon, self.sampling_rate, self.steps, calibration_delta, accountant=cfg.accountant,
                     sampling="fixed-size" if fixed else "poisson", dataset_size=n if fixed else None)
             finally:
                 absl_logger.setLevel(level)
+        # the epsilon the run will end at, known before training (None without a formal guarantee)
+        self.planned_epsilon = None if not self.formal_guarantee else self._plan_epsilon()
+        if poisson:
+            self.sampler = self._batch_cap(n, n_devices)
+        elif cfg.sampling == "fixed-size":
+            self.sampler = FixedSizeSampler(n, cfg.batch_size)
+        slots = self.sampler.capacity if poisson else cfg.batch_size
+        self.slots = -(-slots // n_devices) * n_devices  # every device gets the same number of slots
+        # per-row epsilon: composed incrementally at a resolution that keeps a row in milliseconds (running_accountant)
+        self._row_accountant = None if not self.formal_guarantee else RunningAccountant(
+            cfg.accountant, row_interval(self.planned_epsilon), block=cfg.log_every)
+        # seconds in privacy accounting: calibration and planning here; in run() the running rows (row_count of
+        # them) and the epsilon of record (the last planned row and the summary, from scratch at full resolution)
+        self.accounting_s = {"plan": time.perf_counter() - accounting_start, "rows": 0.0, "row_count": 0,
+                             "final": 0.0}
 
         model = _make_model(cfg, self.train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)), self.label_names,
                             seed=cfg.seed)
@@ -651,6 +667,52 @@ class Trainer:
     def formal_guarantee(self) -> bool:
         """True when the run's epsilon is a formal (epsilon, delta) guarantee (DP on, Poisson or fixed-size)."""
         return not self.config.no_dp and self.config.sampling != "shuffled"
+
+    def _plan_epsilon(self) -> float:
+        """Epsilon of the whole planned run (truncation budget included), computed before training.
+
+        Calibrated sigma: the target (sigma was calibrated at ``delta * (1 - TRUNCATION_SHARE)`` for Poisson).
+        Given sigma: a quick upper bound on the accountant's epsilon of the planned steps
+        (:func:`accounting.planned_epsilon`), refused when it is infinite (sigma = 0)."""
+        cfg = self.config
+        if cfg.noise_multiplier is None:
+            return float(cfg.epsilon)
+        sigma = self.noise_multiplier
+        if sigma == 0:
+            raise ValueError("TrainConfig.noise_multiplier=0 adds no noise: epsilon would be infinite; use no_dp=True "
+                             "(--no-dp) for a non-private run")
+        if cfg.sampling == "fixed-size":
+            return accounting.epsilon(sigma, self.sampling_rate, self.steps, cfg.delta, cfg.accountant,
+                                      sampling="fixed-size", dataset_size=self.dataset_size)
+        absl_logger = logging.getLogger("absl")  # RDP warns about low orders
+        level = absl_logger.level
+        absl_logger.setLevel(logging.ERROR)
+        try:
+            return accounting.planned_epsilon(sigma, self.sampling_rate, self.steps,
+                                              cfg.delta * (1.0 - accounting.TRUNCATION_SHARE), cfg.accountant)
+        finally:
+            absl_logger.setLevel(level)
+
+    def _batch_cap(self, n: int, n_devices: int) -> PoissonSampler:
+        """The Poisson sampler with the batch cap the run can afford (:func:`accounting.plan_overflow_target`).
+
+        DP: the per-step truncation probability is bounded so that its charge is at most ``TRUNCATION_SHARE`` of
+        delta at the planned epsilon (plus ``CAP_MARGIN``); a cap above ``MAX_CAP_FACTOR`` times the expected batch
+        is refused before training, naming the cap and its cost.  Without DP: the default 1e-9 target."""
+        cfg = self.config
+        if self.planned_epsilon is None:
+            return PoissonSampler(n, self.sampling_rate, capacity_multiple=n_devices)
+        sampler = PoissonSampler.for_privacy_budget(n, self.sampling_rate, self.steps, cfg.delta,
+                                                    self.planned_epsilon, capacity_multiple=n_devices)
+        limit = max(MAX_CAP_FACTOR * cfg.batch_size, cfg.batch_size + 64)
+        if sampler.capacity > limit:
+            raise ValueError(
+                f"the run would end at epsilon {self.planned_epsilon:.4g} (sigma {self.noise_multiplier:.4g}, "
+                f"{self.steps} steps, q {self.sampling_rate:.4g}); keeping the charge for truncated Poisson batches "
+                f"below {accounting.TRUNCATION_SHARE:g} of delta there needs a batch cap of {sampler.capacity} slots "
+                f"per step ({sampler.capacity / cfg.batch_size:.1f}x the expected batch {cfg.batch_size}, in compute "
+                f"and memory), more than the {limit} allowed; use a larger noise multiplier, fewer steps or --epsilon")
+        return sampler
 
     # ---------------------------------------------------------------- compiled functions
     def _build_step(self, loss_fn, apply_fn, loss_for_key=None):
@@ -808,7 +870,14 @@ class Trainer:
                           batch_size=cfg.batch_size)
 
     def _epsilon(self, ledger: accounting.PrivacyLedger) -> float | None:
+        """The run's epsilon of record: ``dp_accounting`` from scratch over the ledger (the summary, the last row)."""
         return ledger.epsilon(self.config.delta, self.config.accountant) if self.formal_guarantee else None
+
+    def _row_epsilon(self, ledger: accounting.PrivacyLedger) -> float | None:
+        """Epsilon of a logged row: the running accountant, composing only the steps since the previous row."""
+        if not self.formal_guarantee:
+            return None
+        return self._row_accountant.epsilon(ledger, self.config.delta)
 
     # ---------------------------------------------------------------- checkpoints
     def _manager(self, read_only: bool = False):
@@ -924,9 +993,10 @@ class Trainer:
         end = self.steps if stop_at is None else min(self.steps, stop_at)
 
         metrics_path = self.out / "metrics.jsonl" if self.is_primary else Path(os.devnull)
-        history = _read_metrics(metrics_path, upto=start) if resume else []
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in history)
+        earlier = _read_metrics(metrics_path, upto=start) if resume else []
+        with open(metrics_path, "w") as f:   # rows are streamed to this file, not kept in memory
+            f.writelines(json.dumps(row) + "\n" for row in earlier)
+        del earlier
         test_inputs = None if "input_ids" in self.test_data else self._eval_inputs(self.test_data)
         manager = self._manager() if cfg.checkpoint_every else None
         bar = tqdm(total=self.steps, initial=start, disable=not cfg.progress, desc="dp" if not cfg.no_dp else "non-dp",
@@ -962,13 +1032,21 @@ class Trainer:
                     bar.update(1)
                     evaluate = (cfg.eval_every and done % cfg.eval_every == 0) or done == self.steps
                     if done % cfg.log_every == 0 or done == end or evaluate or diagnostics is not None:
+                        # the last planned row: the epsilon of record (from scratch at full resolution)
+                        tick = time.perf_counter()
+                        if done == self.steps:
+                            eps = self._epsilon(ledger)
+                            self.accounting_s["final"] += time.perf_counter() - tick
+                        else:
+                            eps = self._row_epsilon(ledger)
+                            self.accounting_s["rows"] += time.perf_counter() - tick
+                            self.accounting_s["row_count"] += 1
                         row = {"step": done, "loss": float(loss), metric_name(False): float(acc),
-                               "epsilon": self._epsilon(ledger), "batch_size": int(batch_info.realised_size)}
+                               "epsilon": eps, "batch_size": int(batch_info.realised_size)}
                         row.update(diagnostics or {})
                         if evaluate:
                             test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
                             row.update(test_loss=float(test_loss), **{metric_name(True): float(test_acc)})
-                        history.append(row)
                         metrics_file.write(json.dumps(row) + "\n")
                         metrics_file.flush()
                         eps = row["epsilon"]
@@ -984,15 +1062,25 @@ class Trainer:
 
         test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
         train_acc = None if lm else self._evaluate_split(params, self.train_data)[1]
+        history = _read_metrics(metrics_path, upto=end) if self.is_primary else []
+        tick = time.perf_counter()
+        epsilon = self._epsilon(ledger)   # memoised when the last row already composed this ledger
+        self.accounting_s["final"] += time.perf_counter() - tick
+        cap = charge = None
+        if self.formal_guarantee and cfg.sampling == "poisson":
+            cap = int(self.sampler.capacity)
+            charge = ledger.truncation_mass * (1.0 + math.exp(min(epsilon, 700.0))) / cfg.delta
         model = nnx.clone(self.model)
         nnx.update(model, params)
         result = TrainResult(test_accuracy=None if lm else float(test_acc),
                              train_accuracy=None if lm else float(train_acc),
-                             test_loss=float(test_loss), epsilon=self._epsilon(ledger), delta=cfg.delta,
+                             test_loss=float(test_loss), epsilon=epsilon, delta=cfg.delta,
                              steps=end, noise_multiplier=self.noise_multiplier,
                              sampling_rate=self.sampling_rate, runtime_s=time.perf_counter() - start_time,
                              out=str(self.out), sampling=cfg.sampling, task=cfg.task,
-                             test_perplexity=float(test_acc) if lm else None, params=params, opt_state=opt_state,
+                             test_perplexity=float(test_acc) if lm else None, batch_cap=cap,
+                             truncation_charge=charge, accounting_s=dict(self.accounting_s), params=params,
+                             opt_state=opt_state,
                              history=history, model=model)
         summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
                    if f.name not in ("params", "opt_state", "history", "model")}

@@ -1,0 +1,188 @@
+"""Long runs: the running epsilon, the batch cap a run can afford, steady state.
+
+References are ``dp_accounting`` accountants composed from scratch in the test and the textbook truncation
+certificate (an ``eta``-truncated mechanism that is (eps, delta0)-DP untruncated is (eps, delta0 + (1 + e^eps) *
+sum eta)-DP), never this library's earlier output.
+"""
+
+import json
+import math
+import re
+
+import dp_accounting
+import pytest
+from dp_accounting import pld, rdp
+
+from dpzero_jax import accounting as acc
+from dpzero_jax.cli import main
+from dpzero_jax.running_accountant import RunningAccountant
+from dpzero_jax.sampling import PoissonSampler
+from dpzero_jax.train import TrainConfig, Trainer
+
+DELTA = 1e-5
+SHARE = 1e-3
+
+
+def scratch(entries, accountant, interval=1e-4):
+    """dp_accounting accountant composing ``entries`` = [(sigma, q, count), ...] from scratch."""
+    a = pld.PLDAccountant(value_discretization_interval=interval) if accountant == "pld" else rdp.RdpAccountant()
+    for sigma, q, count in entries:
+        a.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count)
+    return a
+
+
+def certified_reference(entries, eta, accountant, interval=1e-4):
+    """The textbook certificate at a truncation share of 1e-3: eps at delta * (1 - 1e-3), valid when
+    (sum eta) * (1 + e^eps) <= 1e-3 * delta (asserted)."""
+    eps = scratch(entries, accountant, interval).get_epsilon(DELTA * (1 - SHARE))
+    mass = eta * sum(c for _, _, c in entries)
+    assert mass * (1 + math.exp(eps)) <= SHARE * DELTA
+    return eps
+
+
+# a run whose sigma and sampling rate change; rows at irregular steps (not multiples of the block)
+SCHEDULE = [(1.1, 0.05, 13), (1.1, 0.05, 9), (0.9, 0.08, 11), (1.4, 0.03, 14)]
+ROWS_EVERY = (1, 3, 5, 4)
+
+
+@pytest.mark.parametrize("accountant,interval", [("pld", 1e-3), ("pld", 1e-4), ("rdp", 1e-4)])
+def test_running_epsilon_equals_from_scratch_at_every_row(accountant, interval):
+    eta = 1e-16
+    ledger = acc.PrivacyLedger()
+    running = RunningAccountant(accountant, interval, block=4)
+    done, rows, k = [], 0, 0
+    for sigma, q, count in SCHEDULE:
+        left = count
+        while left:
+            n = min(left, ROWS_EVERY[k % len(ROWS_EVERY)])
+            k += 1
+            left -= n
+            ledger.record(sigma, q, steps=n, truncation_probability=eta)
+            if done and done[-1][:2] == (sigma, q):
+                done[-1] = (sigma, q, done[-1][2] + n)
+            else:
+                done.append((sigma, q, n))
+            if accountant == "pld" and interval == 1e-4 and k % 3:
+                continue   # full resolution is slow: every third row
+            expected = certified_reference(done, eta, accountant, interval)
+            assert running.epsilon(ledger, DELTA) == pytest.approx(expected, rel=1e-8, abs=1e-10)
+            rows += 1
+    assert rows >= 5 and ledger.steps == sum(c for *_, c in SCHEDULE)
+
+
+def test_running_epsilon_does_not_depend_on_when_it_was_asked():
+    """Blocks are counted from each entry's start: a fresh accountant on a restored ledger (resume) gives the very
+    same number as one that followed the run row by row."""
+    ledger = acc.PrivacyLedger()
+    followed = RunningAccountant("pld", 1e-3, block=5)
+    for sigma, q, count in SCHEDULE:
+        for _ in range(count):
+            ledger.record(sigma, q)
+            followed.epsilon(ledger, DELTA)
+    restored = acc.PrivacyLedger.from_json(ledger.to_json())
+    assert RunningAccountant("pld", 1e-3, block=5).epsilon(restored, DELTA) == followed.epsilon(ledger, DELTA)
+    assert followed.steps == ledger.steps - (14 % 5)   # the newest entry's partial block is not kept
+
+
+def test_running_epsilon_fixed_size_rdp():
+    n, m = 1000, 50
+    ledger = acc.PrivacyLedger()
+    running = RunningAccountant("rdp", block=3)
+    for count in (2, 5, 7):
+        ledger.record(1.3, sampling="fixed-size", dataset_size=n, batch_size=m, steps=count)
+        ref = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        inner = dp_accounting.GaussianDpEvent(1.3 / 2)   # replace-one: sensitivity 2C
+        ref.compose(dp_accounting.SampledWithoutReplacementDpEvent(n, m, inner), ledger.steps)
+        assert running.epsilon(ledger, DELTA) == pytest.approx(ref.get_epsilon(DELTA), rel=1e-12)
+    with pytest.raises(ValueError, match="not supported by the PLD accountant"):
+        RunningAccountant("pld").epsilon(ledger, DELTA)
+
+
+def test_running_accountant_bad_arguments():
+    with pytest.raises(ValueError, match="block must be an integer >= 1, got 0"):
+        RunningAccountant("pld", block=0)
+    with pytest.raises(ValueError, match="value_discretization_interval must be a float > 0, got -1.0"):
+        RunningAccountant("pld", -1.0)
+    with pytest.raises(ValueError, match="accountant must be one of"):
+        RunningAccountant("moments")
+
+
+def test_calibration_settles_at_full_resolution():
+    """The coarse search only locates sigma: the answer satisfies the budget at full resolution and sigma * (1 -
+    rtol) does not (dp_accounting from scratch)."""
+    q, steps, target, rtol = 256 / 1437, 300, 20.0, 5e-3
+    sigma = acc.calibrate_noise(target, q, steps, DELTA)
+    assert scratch([(sigma, q, steps)], "pld").get_epsilon(DELTA) <= target
+    assert scratch([(sigma * (1 - rtol), q, steps)], "pld").get_epsilon(DELTA) > target
+
+
+# --------------------------------------------------------------------------- the batch cap
+DIGITS_N, BATCH = 1437, 256
+Q = BATCH / DIGITS_N
+
+
+def _privacy_cli(capsys, sigma, steps):
+    assert main(["privacy", "--noise-multiplier", repr(sigma), "--sampling-rate", repr(Q), "--steps", str(steps),
+                 "--dataset-size", str(DIGITS_N)]) == 0
+    out = capsys.readouterr().out
+    eps = float(re.search(r"epsilon = ([0-9.]+)", out).group(1))
+    cap = int(re.search(r"batch cap (\d+) slots", out).group(1))
+    return eps, cap, out
+
+
+@pytest.mark.parametrize("steps", [3000, pytest.param(30000, marks=pytest.mark.slow)])
+def test_noise_multiplier_run_is_finite_and_equals_privacy_cli(tmp_path, capsys, steps):
+    """The issue's case: --noise-multiplier 1.5896 for 3,000 steps gave epsilon = inf from step 310 on (the cap
+    was sized for another epsilon). At accountant level: the trainer's cap, the ledger of the whole run, the CLI."""
+    sigma = 1.5896
+    trainer = Trainer(TrainConfig(out=str(tmp_path), steps=steps, noise_multiplier=sigma, progress=False,
+                                  plot=False, checkpoint_every=0))
+    assert trainer.sampling_rate == Q
+    eta = trainer.sampler.truncation_probability
+    assert eta > 0   # the cap does truncate, rarely: the charge is real and accounted
+    ledger = acc.PrivacyLedger()
+    ledger.record(sigma, Q, steps=steps, truncation_probability=eta)
+    eps = ledger.epsilon(DELTA)
+    expected = certified_reference([(sigma, Q, steps)], eta, "pld")
+    assert math.isfinite(eps) and eps == pytest.approx(expected, rel=1e-12)
+    assert expected <= trainer.planned_epsilon <= expected * 1.005   # a quick upper bound sizes the cap
+    cli_eps, cli_cap, out = _privacy_cli(capsys, sigma, steps)
+    assert cli_cap == trainer.sampler.capacity and cli_eps == pytest.approx(eps, abs=5e-5)
+    assert "truncation charged" in out
+
+
+def test_short_noise_multiplier_training_reports_finite_epsilon(tmp_path):
+    """A real run where the old cap (sized for the default epsilon 3) made epsilon infinite."""
+    sigma, steps = 0.6, 40
+    result = Trainer(TrainConfig(out=str(tmp_path), steps=steps, noise_multiplier=sigma, log_every=10,
+                                 progress=False, plot=False, checkpoint_every=0)).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    eta = PoissonSampler(DIGITS_N, Q, capacity=result.batch_cap).truncation_probability
+    expected = certified_reference([(sigma, Q, steps)], eta, "pld")
+    assert math.isfinite(result.epsilon) and result.epsilon == pytest.approx(expected, rel=1e-12)
+    assert rows[-1]["epsilon"] == result.epsilon
+    for row in rows[:-1]:   # running rows: from scratch at the row resolution
+        interval = acc.coarse_interval(result.epsilon)
+        assert row["epsilon"] == pytest.approx(certified_reference([(sigma, Q, row["step"])], eta, "pld", interval),
+                                               rel=1e-8)
+    assert 0 < result.truncation_charge <= SHARE
+    assert f"batch cap {result.batch_cap}" in result.summary()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["batch_cap"] == result.batch_cap and summary["accounting_s"]["row_count"] == len(rows) - 1
+
+
+def test_unaffordable_runs_are_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match="noise_multiplier=0 adds no noise"):
+        Trainer(TrainConfig(out=str(tmp_path), steps=10, noise_multiplier=0.0, progress=False))
+    with pytest.raises(ValueError, match=r"needs a batch cap of \d+ slots per step .*more than the 1024 allowed"):
+        Trainer(TrainConfig(out=str(tmp_path), steps=3000, noise_multiplier=0.3, progress=False))
+
+
+def test_cap_charge_is_a_fixed_share_of_delta():
+    """Whatever the planned epsilon, T * eta * (1 + e^eps) stays below 1e-3 * delta for the chosen cap."""
+    for eps, steps in ((1.0, 100), (50.0, 3000), (300.0, 30000)):
+        sampler = PoissonSampler.for_privacy_budget(DIGITS_N, Q, steps, DELTA, eps)
+        assert steps * sampler.truncation_probability * (1 + math.exp(eps)) <= SHARE * DELTA
+        smaller = PoissonSampler(DIGITS_N, Q, capacity=sampler.capacity - 1)   # the cap is the smallest such
+        assert steps * smaller.truncation_probability * (1 + math.exp(eps + acc.CAP_MARGIN)) > SHARE * DELTA
+    assert PoissonSampler.for_privacy_budget(DIGITS_N, Q, 10, DELTA, 800.0).capacity == DIGITS_N + 1
