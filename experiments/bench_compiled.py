@@ -136,6 +136,42 @@ def parse_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def collective_shapes(hlo_text: str) -> list[str]:
+    """The result shapes of the collectives (layouts dropped), in program order: what each one communicates."""
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match:
+            shapes.append(match.group(2) + (match.group(3) or "") + " " + re.sub(r"\{[^}]*\}", "", match.group(1)))
+    return shapes
+
+
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
+_NOT_MATERIALISED = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "copy-done",
+                     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done"}
+
+
+def large_buffers(hlo_text: str, threshold_bytes: int) -> dict[str, int]:
+    """``{opcode: count}`` of the instructions of the non-fused computations whose output has an array of at least
+    ``threshold_bytes`` (a diagnosis: e.g. how many ``[B, T, V]``-sized buffers the step materialises). Fused
+    computations (their instructions live in vector registers / VMEM) and aliasing ops are skipped."""
+    found: dict[str, int] = {}
+    fused = False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            fused = "fused" in name or "fusion" in name
+            continue
+        if fused:
+            continue
+        match = _OPCODE.match(line)
+        if not match or match.group(2) in _NOT_MATERIALISED:
+            continue
+        if max(_arrays(match.group(1)), default=0) >= threshold_bytes:
+            found[match.group(2)] = found.get(match.group(2), 0) + 1
+    return found
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Pallas kernels: FLOPs counted from the traced kernels.
 
@@ -245,7 +281,9 @@ SHMAP_CANDIDATES = {
     "bk_pallas": dict(mode="bk", norm_kernel="pallas"),
 }
 PEERS = ("jax_privacy", "optax")
-CANDIDATES = ("nonprivate", *DP_CANDIDATES, *SHMAP_CANDIDATES, *PEERS)
+# compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
+CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap", "fused")
+assert set(CANDIDATES) == {"nonprivate", *DP_CANDIDATES, *SHMAP_CANDIDATES, *PEERS}
 SMOKE_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "vmap", "bk_shmap", "bk_pallas", "jax_privacy", "optax")
 MAX_BATCH_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "jax_privacy", "optax")
 
@@ -465,7 +503,9 @@ def measure(candidate: str, shape: Shape, mesh) -> dict:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    collectives = parse_collectives(compiled.as_text())
+    hlo = compiled.as_text()
+    collectives = parse_collectives(hlo)
+    logits_bytes = shape.B * shape.T * shape.vocab * 4
     result = {
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
@@ -475,9 +515,13 @@ def measure(candidate: str, shape: Shape, mesh) -> dict:
         "flops": float(cost.get("flops", 0.0)),
         "transcendentals": float(cost.get("transcendentals", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        # the compiler's own estimate; negative (meaningless) for these programs with libtpu 0.0.42: not used
         "optimal_seconds": float(cost.get("optimal_seconds", 0.0)),
         "collectives": collectives,
         "collective_bytes": int(sum(c["bytes"] for c in collectives.values())),
+        "collective_shapes": [text[:400] for text in collective_shapes(hlo)],
+        # instructions (outside fusions) with an output of at least half a per-chip f32 [B, T, V] logits buffer
+        "logits_sized_buffers": large_buffers(hlo, logits_bytes // 2),
         "lower_seconds": round(seconds[0], 1),
         "compile_seconds": round(seconds[1], 1),
     }
@@ -633,8 +677,15 @@ def main(argv=None):
     parser.add_argument("--only", default=None, help="comma-separated candidates")
     parser.add_argument("--shapes", default=None, help="comma-separated indices into the grid")
     parser.add_argument("--recompute", action="store_true", help="ignore cached points")
+    parser.add_argument("--table", action="store_true", help="print the table of the cached JSON (no compiling, "
+                        "no libtpu needed)")
     args = parser.parse_args(argv)
 
+    if args.table:
+        data = load(args.out)
+        shapes = SMOKE_SHAPES if args.smoke else DEFAULT_SHAPES + FULL_EXTRA
+        print(table(data, args.topology, shapes, SMOKE_CANDIDATES if args.smoke else CANDIDATES))
+        return data
     require_libtpu()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # before JAX starts: no TPU hardware is probed for
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -667,6 +718,12 @@ def main(argv=None):
         if "auto_resolves_to" not in entry or args.recompute:
             entry["auto_resolves_to"] = resolved_auto(shape)
         for candidate in candidates:
+            resolved = entry["auto_resolves_to"]["host"]
+            if candidate == resolved and "auto" in entry and "failed" not in entry["auto"] and (
+                    candidate not in entry or args.recompute):
+                # mode="auto" is DPConfig(mode=<resolved>) with nothing else changed: the same program
+                entry[candidate] = {**entry["auto"], "same_program_as": "auto"}
+                continue
             run_point(data, args.out, args.topology, shape, candidate, mesh, args.recompute)
     if args.full or args.max_batch:
         bases = [small(1024, 1)] + ([medium(1024, 1)] if args.full else [])

@@ -88,3 +88,20 @@ def test_smoke_run(tmp_path):
     if "failed" not in entry["bk_pallas"]:
         assert entry["bk_pallas"]["pallas_calls"] > 0 and entry["bk_pallas"]["pallas_flops"] > 0
     assert "| nonprivate |" in run.stdout
+
+
+def test_large_buffers_skips_fusions_and_aliases():
+    text = "\n".join([
+        "%fused_computation.1 (param_0: f32[8,1024,512]) -> f32[8,1024,512] {",
+        "  %param_0 = f32[8,1024,512]{2,1,0} parameter(0)",
+        "  ROOT %exp = f32[8,1024,512]{2,1,0} exponential(%param_0)",
+        "}",
+        "ENTRY %main.2 (p: f32[8,1024,512]) -> f32[8,1024,512] {",
+        "  %p = f32[8,1024,512]{2,1,0} parameter(0)",
+        "  %fusion = f32[8,1024,512]{2,1,0} fusion(%p), kind=kLoop, calls=%fused_computation.1",
+        "  %small = f32[8,1024]{1,0} reduce(%fusion, %c), dimensions={2}",
+        "  %b = f32[8,1024,512]{2,1,0} bitcast(%fusion)",
+        "  ROOT %dot = f32[8,1024,512]{2,1,0} convolution(%fusion, %w), dim_labels=b01f_01io->b01f",
+        "}",
+    ])
+    assert bench.large_buffers(text, 8 * 1024 * 512 * 4 // 2) == {"fusion": 1, "convolution": 1}
