@@ -45,6 +45,9 @@ Ahead-of-time set-up (documented here because it is not obvious)
 * The script sets ``JAX_PLATFORMS=cpu`` (the host backend: no TPU is probed for) and ``TPU_SKIP_MDS_QUERY=1``
   before importing JAX; ``get_topology_desc`` then still loads libtpu's compiler. libtpu prints warnings about
   ``TPU_ACCELERATOR_TYPE`` / ``TPU_WORKER_HOSTNAMES`` at start-up: harmless for compiling.
+* libtpu takes a machine-wide lock (``/tmp/libtpu_lockfile``): one compiling process at a time (a second one fails
+  with "Internal error when accessing libtpu multi-process lockfile"; ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` lifts it).
+  Compiles are sequential anyway: a GPT-2 small DP step takes 2-6 minutes on a 2-core host.
 * The library picks Pallas kernels by ``jax.default_backend()``, which is ``cpu`` here: the script tells
   ``kernels.ghost_norm`` that the target is ``tpu`` (otherwise the kernels would be *interpreted*, i.e. lowered as
   ordinary XLA loops, not Mosaic kernels).
@@ -281,6 +284,8 @@ SHMAP_CANDIDATES = {
     "bk_pallas": dict(mode="bk", norm_kernel="pallas"),
 }
 PEERS = ("jax_privacy", "optax")
+# a cached point older than its candidate's version is compiled again (2: shard_map with check_vma=False)
+VERSIONS = {"bk_shmap": 2, "bk_pallas": 2}
 # compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
 CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap", "fused")
 assert set(CANDIDATES) == {"nonprivate", *DP_CANDIDATES, *SHMAP_CANDIDATES, *PEERS}
@@ -392,8 +397,11 @@ def make_step(candidate: str, graphdef, trainable, global_batch: int, mesh=None)
             return losses, jax.lax.psum(summed, axis)
 
         def step(params, rest, batch, seed):
+            # check_vma=False as in dpzero_jax.sharding.explicit_gradient: with it on, the engine's (replicated)
+            # probes would be marked varying and their cotangents -- the per-example output gradients, [B, T, V] for
+            # the head -- all-reduced over the mesh (measured: 54 all-reduces, 5.5 GB at GPT-2 small T1024)
             losses, summed = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axis)),
-                                           out_specs=(P(axis), P()))(params, rest, batch)
+                                           out_specs=(P(axis), P()), check_vma=False)(params, rest, batch)
             std = dz.noise.noise_std(cfg.noise_multiplier, (cfg.max_grad_norm,))
             return losses, dz.noise.add_noise_and_normalise(summed, jax.random.key(seed), std, global_batch,
                                                             cfg.noise_rng)
@@ -563,11 +571,14 @@ def save(path: str, data: dict) -> None:
 
 def run_point(data: dict, path: str, topology: str, shape: Shape, candidate: str, mesh, recompute: bool) -> dict:
     entry = data.setdefault("points", {}).setdefault(topology, {}).setdefault(shape.key(), {"shape": shape.name})
-    if candidate in entry and not recompute and entry[candidate].get("failed") != "error":
+    cached = entry.get(candidate)
+    stale = cached is not None and cached.get("version", 1) < VERSIONS.get(candidate, 1)
+    if cached is not None and not stale and not recompute and cached.get("failed") != "error":
         return entry[candidate]  # a compile error is retried (it may be fixed); an out-of-memory result is kept
     print(f"  compiling {shape.name} / {candidate} ...", flush=True)
     try:
         entry[candidate] = measure(candidate, shape, mesh)
+        entry[candidate]["version"] = VERSIONS.get(candidate, 1)
         r = entry[candidate]
         print(f"    lower {r['lower_seconds']} s, compile {r['compile_seconds']} s, "
               f"temp {r['temp_bytes'] / GIB:.2f} GiB",
