@@ -1,0 +1,754 @@
+"""The private step as the TPU compiler sees it: memory, FLOPs, bytes and collectives of the compiled program.
+
+No TPU is needed: with ``libtpu`` installed, ``jax.experimental.topologies.get_topology_desc(platform="tpu", ...)``
+describes a TPU slice (default ``v5e:2x2``, four chips) whose devices make a ``Mesh``; every candidate step is
+``jax.jit(step, in_shardings=..., out_shardings=...).lower(*abstract_args).compile()`` for that slice, ahead of
+time, on this (CPU) host. Nothing runs; every number below is read from the compiled TPU program.
+
+What is compared (one data-parallel step: batch sharded over the mesh, parameters replicated, float32 parameters,
+``B`` examples per chip; every candidate differentiates the project's own ``lm_objective`` on its GPT-2 model and
+returns the per-example losses and the replicated gradient):
+
+* ``nonprivate``   ``jax.value_and_grad`` of the mean per-example loss (the baseline of every ratio);
+* ``auto`` / ``bk`` / ``ghost`` / ``vmap``  ``dpzero_jax.private_value_and_grad`` in that mode (all-layer clipping,
+                   ``noise_multiplier=1``, ``max_grad_norm=1``, noise included); ``auto`` is resolved by the library
+                   on this host (the JSON records what ``choose_mode`` picks for the host and for a v5e chip);
+* ``fused``        the same with ``groups="layer-wise"`` (fused mode clips inside each layer: an all-layer group is
+                   rejected), as in ``bench_overhead.py``;
+* ``bk_fastest``   ``bk`` with ``norm_method="fastest"``;
+* ``bk_pallas``    ``bk`` with ``norm_kernel="pallas"`` (the Mosaic TPU kernels of ``kernels.ghost_norm``);
+* ``jax_privacy``  ``jax_privacy.clipping.clipped_grad`` (``vmap`` over the whole batch, ``keep_batch_dim=True``)
+                   on ``sum(loss_fn(params, example))``, plus Gaussian noise on the clipped sum, divided by the batch;
+* ``optax``        ``optax.contrib.differentially_private_aggregate`` (its own noise) on
+                   ``jax.vmap(jax.value_and_grad(...))`` per-example gradients.
+
+Per candidate (per device; the program is SPMD): ``memory_analysis()`` temporary, argument and output bytes;
+``cost_analysis()`` flops, bytes accessed and the compiler's ``optimal_seconds``; every collective of the optimised
+HLO (``as_text()``): kind, static count and bytes (the size of its output buffer(s); an op inside a loop body is
+counted once); a roofline step time ``max(flops / peak, bytes / HBM bandwidth, collective bytes / ICI bandwidth)``
+for v5e and v5p (peaks below); and, for Pallas kernels (``custom-call`` to Mosaic: ``cost_analysis`` counts none of
+their work), their FLOPs counted from the traced kernel: the ``dot_general``s of the kernel body times the grid size
+(a ``pl.when``-guarded branch is counted as if taken on every grid step, so this is an upper bound: the symmetric
+Gram kernel skips about half of its tile pairs).
+
+Peaks assumed (Google Cloud TPU documentation, "TPU v5e" and "TPU v5p" pages, per chip): v5e 197 TFLOP/s bf16,
+819 GB/s HBM, 16 GiB HBM, ICI 1600 Gbit/s = 200 GB/s; v5p 459 TFLOP/s bf16, 2765 GB/s HBM, 95 GB HBM, ICI 4800
+Gbit/s = 600 GB/s. Float32 matmuls at JAX's default precision run as one bf16 MXU pass on TPU, so the bf16 peak is the
+relevant one. The v5p estimate reuses the counts of the program compiled for ``--topology`` (v5e by default): it is a
+"same program on a faster chip" estimate, not a v5p compile (``--topology v5p:2x2x1`` compiles for v5p).
+
+Ahead-of-time set-up (documented here because it is not obvious)
+----------------------------------------------------------------
+* ``pip install -e ".[tpu-aot]"`` (or ``jax[tpu]`` at the *same* version as ``jax``, plus ``jax-privacy``) in a
+  separate virtual environment: ``libtpu`` changes JAX's start-up (it probes for TPU hardware) and should not be in
+  the test environment.
+* The script sets ``JAX_PLATFORMS=cpu`` (the host backend: no TPU is probed for) and ``TPU_SKIP_MDS_QUERY=1``
+  before importing JAX; ``get_topology_desc`` then still loads libtpu's compiler. libtpu prints warnings about
+  ``TPU_ACCELERATOR_TYPE`` / ``TPU_WORKER_HOSTNAMES`` at start-up: harmless for compiling.
+* libtpu takes a machine-wide lock (``/tmp/libtpu_lockfile``): one compiling process at a time (a second one fails
+  with "Internal error when accessing libtpu multi-process lockfile"; ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` lifts it).
+  Compiles are sequential anyway: a GPT-2 small DP step takes 2-6 minutes on a 2-core host.
+* The library picks Pallas kernels by ``jax.default_backend()``, which is ``cpu`` here: the script tells
+  ``kernels.ghost_norm`` that the target is ``tpu`` (otherwise the kernels would be *interpreted*, i.e. lowered as
+  ordinary XLA loops, not Mosaic kernels).
+
+How to run
+----------
+::
+
+    python3 -m venv /work/venv-tpu
+    /work/venv-tpu/bin/pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')" \\
+        flax optax dp-accounting jax-privacy ...     # or: pip install -e ".[tpu-aot]"
+    PYTHONPATH=$PWD /work/venv-tpu/bin/python experiments/bench_compiled.py            # default grid
+    PYTHONPATH=$PWD /work/venv-tpu/bin/python experiments/bench_compiled.py --smoke    # one tiny shape
+    PYTHONPATH=$PWD /work/venv-tpu/bin/python experiments/bench_compiled.py --full     # every shape + max batch
+
+Results are cached per (topology, shape, candidate) in ``experiments/results/bench_compiled_tpu.json`` (``--out``):
+a rerun compiles only the points that are missing (``--recompute`` ignores the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import time
+import traceback
+
+GIB = 1 << 30
+# per chip: (peak FLOP/s at bf16, HBM bytes/s, HBM bytes, ICI bytes/s); see the module docstring for the source
+CHIPS = {
+    "v5e": (197e12, 819e9, 16 * GIB, 200e9),
+    "v5p": (459e12, 2765e9, 95e9, 600e9),
+}
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_compiled_tpu.json")
+INSTALL_HINT = ('libtpu is not installed: the TPU compiler is needed for this benchmark. Install the extra in a '
+                'separate virtual environment: pip install -e ".[tpu-aot]" (jax[tpu] at the same version as jax, '
+                'and jax-privacy).')
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The optimised HLO: collectives and their bytes.
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast", "ragged-all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                "f8e4m3fn": 1, "f8e5m2": 1}
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
+# "%name = <shape> <op>(" with <op> a collective, optionally "-start" (async); "-done" halves are skipped
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+
+
+def _arrays(shape_text: str) -> list[int]:
+    """Byte sizes of the arrays in an HLO shape (an array or a tuple of arrays)."""
+    sizes = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        sizes.append(int(count * _DTYPE_BYTES[dtype]))
+    return sizes
+
+
+def parse_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """``{kind: {"count": n, "bytes": b}}`` for every collective instruction of an HLO module's text.
+
+    bytes: the size of the collective's output buffer(s) on one device. An async ``-start`` op's result is a tuple
+    that also holds its operands (``all-gather-start``: ``(operands, outputs)``; ``collective-permute-start``:
+    ``(operand, output, context...)``), so only the output part is counted; a combined all-reduce's tuple is summed.
+    Static count: an instruction in a loop body is counted once.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        shape_text, kind, start = match.groups()
+        sizes = _arrays(shape_text)
+        if start and kind in ("all-gather", "all-to-all", "reduce-scatter") and len(sizes) >= 2:
+            sizes = sizes[len(sizes) // 2:]
+        elif start and kind == "collective-permute" and sizes:
+            sizes = sizes[1:2] if len(sizes) >= 2 else sizes
+        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += sum(sizes)
+    return out
+
+
+def collective_shapes(hlo_text: str) -> list[str]:
+    """The result shapes of the collectives (layouts dropped), in program order: what each one communicates."""
+    shapes = []
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match:
+            shapes.append(match.group(2) + (match.group(3) or "") + " " + re.sub(r"\{[^}]*\}", "", match.group(1)))
+    return shapes
+
+
+_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
+_NOT_MATERIALISED = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "copy-done",
+                     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done"}
+
+
+def large_buffers(hlo_text: str, threshold_bytes: int) -> dict[str, int]:
+    """``{opcode: count}`` of the instructions of the non-fused computations whose output has an array of at least
+    ``threshold_bytes`` (a diagnosis: e.g. how many ``[B, T, V]``-sized buffers the step materialises). Fused
+    computations (their instructions live in vector registers / VMEM) and aliasing ops are skipped."""
+    found: dict[str, int] = {}
+    fused = False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            fused = "fused" in name or "fusion" in name
+            continue
+        if fused:
+            continue
+        match = _OPCODE.match(line)
+        if not match or match.group(2) in _NOT_MATERIALISED:
+            continue
+        if max(_arrays(match.group(1)), default=0) >= threshold_bytes:
+            found[match.group(2)] = found.get(match.group(2), 0) + 1
+    return found
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Pallas kernels: FLOPs counted from the traced kernels.
+
+def _dot_flops(eqn) -> int:
+    (contract_lhs, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    out = eqn.outvars[0].aval.shape
+    return 2 * math.prod(out) * math.prod(lhs[d] for d in contract_lhs)
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for v in values:
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def _kernel_body_flops(jaxpr) -> int:
+    """dot_general FLOPs of one execution of a kernel body (a ``cond``: its most expensive branch)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            total += _dot_flops(eqn)
+        elif name == "cond":
+            total += max((_kernel_body_flops(b.jaxpr) for b in eqn.params["branches"]), default=0)
+        else:
+            subs = list(_sub_jaxprs(eqn))
+            scale = eqn.params.get("length", 1) if name == "scan" else 1
+            total += scale * sum(_kernel_body_flops(s) for s in subs)
+    return total
+
+
+def pallas_flops(jaxpr, scale: int = 1) -> tuple[int, int]:
+    """``(flops, calls)`` of the ``pallas_call``s in a jaxpr: kernel-body dot FLOPs times the grid size (an upper
+    bound where the body is guarded by ``pl.when``). A ``scan`` multiplies by its length; a ``while`` counts once."""
+    flops = calls = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            grid = eqn.params["grid_mapping"].grid
+            flops += scale * math.prod(grid) * _kernel_body_flops(eqn.params["jaxpr"])
+            calls += 1
+            continue
+        inner = scale * (eqn.params.get("length", 1) if name == "scan" else 1)
+        subs = list(_sub_jaxprs(eqn))
+        if name == "cond":
+            subs = subs[:1]  # branches are alternatives; the engine's conds are not around kernels
+        for sub in subs:
+            f, c = pallas_flops(sub, inner)
+            flops, calls = flops + f, calls + c
+    return flops, calls
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Shapes and candidates.
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    n_layer: int
+    d: int
+    heads: int
+    T: int
+    B: int                     # examples per chip
+    tied: bool = True
+    vocab: int = 50304
+    lora_rank: int = 0         # > 0: LoRA adapters on every dense layer (peft.apply), only they are trained
+
+    def key(self) -> str:
+        return (f"L{self.n_layer}-d{self.d}-V{self.vocab}-T{self.T}-B{self.B}-{'tied' if self.tied else 'untied'}"
+                + (f"-lora{self.lora_rank}" if self.lora_rank else ""))
+
+
+def small(T=1024, B=8, tied=True, n_layer=12, lora_rank=0, name=None):
+    return Shape(name or f"gpt2-small{'' if n_layer == 12 else f'-{n_layer}L'} T{T} B{B}"
+                 f"{'' if tied else ' untied'}{f' LoRA{lora_rank}' if lora_rank else ''}",
+                 n_layer, 768, 12, T, B, tied, lora_rank=lora_rank)
+
+
+def medium(T=1024, B=8, tied=True):
+    return Shape(f"gpt2-medium T{T} B{B}{'' if tied else ' untied'}", 24, 1024, 16, T, B, tied)
+
+
+SMOKE_SHAPES = [Shape("smoke L1 d64 V512 T32 B2", 1, 64, 2, 32, 2, True, vocab=512)]
+# default grid, in the issue's priority order; --full adds FULL_EXTRA and the largest-batch search
+DEFAULT_SHAPES = [small(1024, 8), small(1024, 8, n_layer=2), small(1024, 8, tied=False, n_layer=2), small(128, 32)]
+FULL_EXTRA = [small(1024, 8, tied=False), small(128, 32, n_layer=2), small(512, 8), small(2048, 4),
+              small(1024, 8, lora_rank=8), medium(1024, 8)]
+
+DP_CANDIDATES = {
+    "auto": dict(mode="auto"),
+    "bk": dict(mode="bk"),
+    "bk_fastest": dict(mode="bk", norm_method="fastest"),
+    "ghost": dict(mode="ghost"),
+    "fused": dict(mode="fused", groups="layer-wise"),
+    "vmap": dict(mode="vmap"),
+}
+# Mosaic kernels cannot be partitioned by GSPMD: these run the engine per device inside ``jax.shard_map``
+# (``clipped_grad_sum`` on the local examples, ``psum`` over the mesh, noise added once), the project's "explicit"
+# data-parallel structure; ``bk_shmap`` is the same with XLA norms, to separate the kernel from the partitioning.
+SHMAP_CANDIDATES = {
+    "bk_shmap": dict(mode="bk"),
+    "bk_pallas": dict(mode="bk", norm_kernel="pallas"),
+}
+PEERS = ("jax_privacy", "optax")
+# a cached point older than its candidate's version is compiled again (2: shard_map with check_vma=False)
+VERSIONS = {"bk_shmap": 2, "bk_pallas": 2}
+# compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
+CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap", "fused")
+assert set(CANDIDATES) == {"nonprivate", *DP_CANDIDATES, *SHMAP_CANDIDATES, *PEERS}
+SMOKE_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "vmap", "bk_shmap", "bk_pallas", "jax_privacy", "optax")
+MAX_BATCH_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "jax_privacy", "optax")
+
+
+def require_libtpu():
+    if importlib.util.find_spec("libtpu") is None:
+        raise SystemExit(INSTALL_HINT)
+
+
+def _target_tpu_kernels():
+    """The library picks Pallas kernels by ``jax.default_backend()`` (``cpu`` on this host); the program is compiled
+    for TPU, so tell ``kernels.ghost_norm`` the target (else the kernels would be interpreted as XLA loops)."""
+    from kernels.ghost_norm import api
+
+    if getattr(api._family, "_bench_compiled_target", False):
+        return
+    original = api._family
+
+    def family(implementation, backend):
+        return original(implementation, backend or "tpu")
+
+    family._bench_compiled_target = True
+    api._family = family
+
+
+def build(shape: Shape):
+    """``(graphdef, abstract params, abstract rest, trainable filter)`` of the shape's GPT-2 (no weights made)."""
+    import jax
+    from flax import nnx
+
+    from dpzero_jax import peft
+    from dpzero_jax.models.gpt2 import GPT2, GPT2Config
+
+    config = GPT2Config(vocab_size=shape.vocab, n_positions=max(1024, shape.T), n_embd=shape.d,
+                        n_layer=shape.n_layer, n_head=shape.heads, tie_word_embeddings=shape.tied)
+
+    def make():
+        model = GPT2(config, rngs=nnx.Rngs(0))
+        if shape.lora_rank:
+            model, trainable = peft.apply(model, "lora", rank=shape.lora_rank, key=jax.random.key(1))
+            return model, trainable
+        return model, nnx.Param
+
+    trainable = nnx.Param
+    if shape.lora_rank:
+        # the filter is a plain object (not an array): build it once abstractly to obtain it
+        holder = {}
+
+        def make_keep():
+            model, filt = make()
+            holder["filter"] = filt
+            return model
+
+        model = nnx.eval_shape(make_keep)
+        trainable = holder["filter"]
+    else:
+        model = nnx.eval_shape(lambda: make()[0])
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    return graphdef, params, rest, trainable
+
+
+def make_step(candidate: str, graphdef, trainable, global_batch: int, mesh=None):
+    """``step(params, rest, batch, seed) -> (losses [B], grads)`` for one candidate, on ``lm_objective``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import dpzero_jax as dz
+    from dpzero_jax.models.objectives import lm_objective
+
+    def objective(params, rest):
+        _, loss_fn = lm_objective(nnx.merge(graphdef, params, rest), trainable=trainable)
+        return loss_fn
+
+    if candidate == "nonprivate":
+        def step(params, rest, batch, seed):
+            loss_fn = objective(params, rest)
+
+            def mean_loss(p):
+                losses = loss_fn(p, batch)
+                return jnp.mean(losses), losses
+
+            (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+            return losses, grads
+        return step
+
+    if candidate in DP_CANDIDATES:
+        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, **DP_CANDIDATES[candidate])
+
+        def step(params, rest, batch, seed):
+            losses, grads, _ = dz.private_value_and_grad(objective(params, rest), cfg)(
+                params, batch, jax.random.key(seed))
+            return losses, grads
+        return step
+
+    if candidate in SHMAP_CANDIDATES:
+        from jax.sharding import PartitionSpec as P
+
+        from dpzero_jax.engine import clipped_grad_sum
+
+        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, **SHMAP_CANDIDATES[candidate])
+        axis = mesh.axis_names[0]
+
+        def local(params, rest, batch):
+            losses, summed, _ = clipped_grad_sum(objective(params, rest), cfg)(params, batch)
+            return losses, jax.lax.psum(summed, axis)
+
+        def step(params, rest, batch, seed):
+            # check_vma=False as in dpzero_jax.sharding.explicit_gradient: with it on, the engine's (replicated)
+            # probes would be marked varying and their cotangents -- the per-example output gradients, [B, T, V] for
+            # the head -- all-reduced over the mesh (measured: 54 all-reduces, 5.5 GB at GPT-2 small T1024)
+            losses, summed = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axis)),
+                                           out_specs=(P(axis), P()), check_vma=False)(params, rest, batch)
+            std = dz.noise.noise_std(cfg.noise_multiplier, (cfg.max_grad_norm,))
+            return losses, dz.noise.add_noise_and_normalise(summed, jax.random.key(seed), std, global_batch,
+                                                            cfg.noise_rng)
+        return step
+
+    if candidate == "jax_privacy":
+        from jax_privacy.clipping import clipped_grad
+
+        def step(params, rest, batch, seed):
+            loss_fn = objective(params, rest)
+            clipped = clipped_grad(lambda p, example: jnp.sum(loss_fn(p, example)), l2_clip_norm=1.0,
+                                   batch_argnums=1, keep_batch_dim=True, return_values=True)
+            summed, aux = clipped(params, batch)
+            leaves, treedef = jax.tree.flatten(summed)
+            keys = jax.random.split(jax.random.key(seed), len(leaves))
+            noised = [(g + jax.random.normal(k, g.shape, g.dtype)) / global_batch for g, k in zip(leaves, keys)]
+            return aux.values, jax.tree.unflatten(treedef, noised)
+        return step
+
+    if candidate == "optax":
+        import optax
+
+        def step(params, rest, batch, seed):
+            loss_fn = objective(params, rest)
+
+            def example_loss(p, example):
+                return loss_fn(p, jax.tree.map(lambda x: x[None], example))[0]
+
+            losses, per_example = jax.vmap(jax.value_and_grad(example_loss), in_axes=(None, 0))(params, batch)
+            aggregate = optax.contrib.differentially_private_aggregate(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                                       seed=0)
+            state = optax.contrib.DifferentiallyPrivateAggregateState(rng_key=jax.random.key(seed))
+            grads, _ = aggregate.update(per_example, state, params)
+            return losses, grads
+        return step
+
+    raise ValueError(f"unknown candidate {candidate!r}; expected one of {CANDIDATES}")
+
+
+def mesh_for(topology: str):
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    return Mesh(np.array(topo.devices), ("data",))
+
+
+def compile_candidate(candidate: str, shape: Shape, mesh):
+    """Lower and compile one candidate for the mesh; returns ``(compiled, lowered jaxpr, seconds)``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    graphdef, params, rest, trainable = build(shape)
+    n = mesh.devices.size
+    global_batch = shape.B * n
+    replicated = NamedSharding(mesh, P())
+    sharded = NamedSharding(mesh, P("data"))
+
+    def abstract(tree, sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+    args = (abstract(params, replicated), abstract(rest, replicated),
+            {"input_ids": jax.ShapeDtypeStruct((global_batch, shape.T), jnp.int32, sharding=sharded)},
+            jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated))
+    step = make_step(candidate, graphdef, trainable, global_batch, mesh)
+    params_sharding = jax.tree.map(lambda _: replicated, params)
+    start = time.perf_counter()
+    jitted = jax.jit(step, out_shardings=(sharded, params_sharding))
+    jaxpr = jax.make_jaxpr(step)(*args) if candidate.endswith("pallas") else None
+    lowered = jitted.lower(*args)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, jaxpr, (lowered_at - start, time.perf_counter() - lowered_at)
+
+
+def resolved_auto(shape: Shape) -> dict:
+    """What ``choose_mode`` picks for ``mode="auto"`` on this host and for one v5e chip (budget: a quarter of its
+    16 GiB, the rule ``choose_mode`` applies to an accelerator's ``bytes_limit``)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import dpzero_jax as dz
+    from dpzero_jax.models.objectives import lm_objective
+
+    graphdef, params, rest, trainable = build(shape)
+    batch = {"input_ids": jax.ShapeDtypeStruct((shape.B, shape.T), jnp.int32)}
+    cfg = dz.DPConfig(mode="auto")
+    found = {}
+
+    def trace(params, rest, batch):
+        _, loss_fn = lm_objective(nnx.merge(graphdef, params, rest), trainable=trainable)
+        plan = dz.make_plan(loss_fn, cfg, params, batch)
+        found["host"] = dz.choose_mode(cfg, plan).mode
+        found["v5e_chip"] = dz.choose_mode(cfg, plan, backend="tpu", memory_budget_bytes=CHIPS["v5e"][2] // 4).mode
+        return 0
+
+    jax.eval_shape(trace, params, rest, batch)
+    return found
+
+
+def measure(candidate: str, shape: Shape, mesh) -> dict:
+    compiled, jaxpr, seconds = compile_candidate(candidate, shape, mesh)
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    collectives = parse_collectives(hlo)
+    logits_bytes = shape.B * shape.T * shape.vocab * 4
+    result = {
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "generated_code_bytes": int(memory.generated_code_size_in_bytes),
+        "flops": float(cost.get("flops", 0.0)),
+        "transcendentals": float(cost.get("transcendentals", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        # the compiler's own estimate; negative (meaningless) for these programs with libtpu 0.0.42: not used
+        "optimal_seconds": float(cost.get("optimal_seconds", 0.0)),
+        "collectives": collectives,
+        "collective_bytes": int(sum(c["bytes"] for c in collectives.values())),
+        "collective_shapes": [text[:400] for text in collective_shapes(hlo)],
+        # instructions (outside fusions) with an output of at least half a per-chip f32 [B, T, V] logits buffer
+        "logits_sized_buffers": large_buffers(hlo, logits_bytes // 2),
+        "lower_seconds": round(seconds[0], 1),
+        "compile_seconds": round(seconds[1], 1),
+    }
+    result["total_bytes"] = (result["temp_bytes"] + result["argument_bytes"] + result["output_bytes"]
+                             - result["alias_bytes"])
+    if jaxpr is not None:
+        kernel_flops, calls = pallas_flops(jaxpr.jaxpr)
+        result["pallas_flops"] = float(kernel_flops)
+        result["pallas_calls"] = calls
+    flops = result["flops"] + result.get("pallas_flops", 0.0)
+    for chip, (peak, hbm, _, ici) in CHIPS.items():
+        result[f"roofline_ms_{chip}"] = 1e3 * max(flops / peak, result["bytes_accessed"] / hbm,
+                                                  result["collective_bytes"] / ici)
+    return result
+
+
+def _is_oom(error: BaseException) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text.lower()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Cache, grid, table.
+
+def load(path: str) -> dict:
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def save(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def run_point(data: dict, path: str, topology: str, shape: Shape, candidate: str, mesh, recompute: bool) -> dict:
+    entry = data.setdefault("points", {}).setdefault(topology, {}).setdefault(shape.key(), {"shape": shape.name})
+    cached = entry.get(candidate)
+    stale = cached is not None and cached.get("version", 1) < VERSIONS.get(candidate, 1)
+    if cached is not None and not stale and not recompute and cached.get("failed") != "error":
+        return entry[candidate]  # a compile error is retried (it may be fixed); an out-of-memory result is kept
+    print(f"  compiling {shape.name} / {candidate} ...", flush=True)
+    try:
+        entry[candidate] = measure(candidate, shape, mesh)
+        entry[candidate]["version"] = VERSIONS.get(candidate, 1)
+        r = entry[candidate]
+        print(f"    lower {r['lower_seconds']} s, compile {r['compile_seconds']} s, "
+              f"temp {r['temp_bytes'] / GIB:.2f} GiB",
+              flush=True)
+    except Exception as error:  # recorded: a configuration that does not compile is a result too
+        kind = "oom" if _is_oom(error) else "error"
+        message = str(error).strip().splitlines()
+        entry[candidate] = {"failed": kind, "message": " ".join(message[:3])[:600] if message else repr(error)}
+        print(f"    failed ({kind}): {entry[candidate]['message'][:200]}", flush=True)
+        if kind == "error" and os.environ.get("BENCH_COMPILED_TRACEBACK"):
+            traceback.print_exc()
+    save(path, data)
+    return entry[candidate]
+
+
+def fits(result: dict) -> bool:
+    return "failed" not in result and result["total_bytes"] <= CHIPS["v5e"][2]
+
+
+def max_batch(data: dict, path: str, topology: str, base: Shape, candidate: str, mesh, recompute: bool,
+              limit: int = 256) -> dict:
+    """The largest per-chip batch whose compiled program (temp + arguments + outputs - aliases) fits a v5e chip's
+    16 GiB: doubling from 1, then bisection. Every probed point is cached like any other."""
+    def probe(b):
+        return fits(run_point(data, path, topology, dataclasses.replace(base, B=b, name=f"{base.name} (B={b})"),
+                              candidate, mesh, recompute))
+
+    if not probe(1):
+        return {"max_batch": 0}
+    low, high = 1, None
+    b = 2
+    while b <= limit:
+        if probe(b):
+            low, b = b, b * 2
+        else:
+            high = b
+            break
+    if high is None:
+        return {"max_batch": low, "capped_at": limit}
+    while high - low > 1:
+        mid = (low + high) // 2
+        if probe(mid):
+            low = mid
+        else:
+            high = mid
+    return {"max_batch": low}
+
+
+def _ratio(value, base):
+    return f"{value / base:.2f}x" if base else "-"
+
+
+def table(data: dict, topology: str, shapes: list[Shape], candidates) -> str:
+    lines = []
+    for shape in shapes:
+        entry = data.get("points", {}).get(topology, {}).get(shape.key())
+        if not entry:
+            continue
+        base = entry.get("nonprivate", {})
+        if "failed" in base or not base:
+            base = {}
+        auto = entry.get("auto_resolves_to")
+        lines.append(f"\n**{shape.name}** ({shape.key()}; {topology}, per chip"
+                     + (f"; auto resolves to `{auto['host']}` here, `{auto['v5e_chip']}` on a v5e chip" if auto
+                        else "") + ")\n")
+        lines.append("| candidate | temp GiB | x temp | args+out GiB | FLOPs (T) | x FLOPs | bytes acc. (GB) | x bytes "
+                     "| collectives (count, MB) | v5e ms | v5p ms | x v5e |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for candidate in candidates:
+            r = entry.get(candidate)
+            if r is None:
+                continue
+            if "failed" in r:
+                lines.append(f"| {candidate} | {r['failed']}: {r['message'][:90]} |" + " |" * 10)
+                continue
+            flops = r["flops"] + r.get("pallas_flops", 0.0)
+            flops_text = f"{flops / 1e12:.2f}" + (f" (Pallas {r['pallas_flops'] / 1e12:.2f})"
+                                                  if r.get("pallas_calls") else "")
+            colls = ", ".join(f"{k} {v['count']}, {v['bytes'] / 1e6:.0f}" for k, v in sorted(r["collectives"].items()))
+            bflops = base.get("flops", 0.0)
+            lines.append(
+                f"| {candidate} | {r['temp_bytes'] / GIB:.2f} | {_ratio(r['temp_bytes'], base.get('temp_bytes'))} "
+                f"| {(r['argument_bytes'] + r['output_bytes'] - r['alias_bytes']) / GIB:.2f} | {flops_text} "
+                f"| {_ratio(flops, bflops)} | {r['bytes_accessed'] / 1e9:.1f} "
+                f"| {_ratio(r['bytes_accessed'], base.get('bytes_accessed'))} | {colls or '-'} "
+                f"| {r['roofline_ms_v5e']:.1f} | {r['roofline_ms_v5p']:.1f} "
+                f"| {_ratio(r['roofline_ms_v5e'], base.get('roofline_ms_v5e'))} |")
+    if data.get("max_batch", {}).get(topology):
+        lines.append("\n**Largest per-chip batch within a v5e chip's 16 GiB** (temp + args + outputs - aliases)\n")
+        lines.append("| shape | " + " | ".join(MAX_BATCH_CANDIDATES) + " |")
+        lines.append("|---|" + "---|" * len(MAX_BATCH_CANDIDATES))
+        for name, row in data["max_batch"][topology].items():
+            cells = [str(row.get(c, {}).get("max_batch", "-")) + ("+" if row.get(c, {}).get("capped_at") else "")
+                     for c in MAX_BATCH_CANDIDATES]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    grid = parser.add_mutually_exclusive_group()
+    grid.add_argument("--smoke", action="store_true", help="one tiny shape (seconds)")
+    grid.add_argument("--full", action="store_true", help="every shape and the largest-batch search")
+    parser.add_argument("--max-batch", action="store_true", help="also search the largest per-chip batch")
+    parser.add_argument("--topology", default="v5e:2x2")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--only", default=None, help="comma-separated candidates")
+    parser.add_argument("--shapes", default=None, help="comma-separated indices into the grid")
+    parser.add_argument("--recompute", action="store_true", help="ignore cached points")
+    parser.add_argument("--table", action="store_true", help="print the table of the cached JSON (no compiling, "
+                        "no libtpu needed)")
+    args = parser.parse_args(argv)
+
+    if args.table:
+        data = load(args.out)
+        shapes = SMOKE_SHAPES if args.smoke else DEFAULT_SHAPES + FULL_EXTRA
+        print(table(data, args.topology, shapes, SMOKE_CANDIDATES if args.smoke else CANDIDATES))
+        return data
+    require_libtpu()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # before JAX starts: no TPU hardware is probed for
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    import jax
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _target_tpu_kernels()
+    mesh = mesh_for(args.topology)
+    if args.smoke:
+        shapes, candidates = SMOKE_SHAPES, SMOKE_CANDIDATES
+    else:
+        shapes, candidates = DEFAULT_SHAPES + (FULL_EXTRA if args.full else []), CANDIDATES
+    if args.shapes:
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    if args.only:
+        candidates = tuple(c for c in candidates if c in args.only.split(","))
+    data = load(args.out)
+    data["meta"] = {"jax": jax.__version__, "topology": args.topology, "devices": int(mesh.devices.size),
+                    "chips": {k: dict(zip(("peak_flops", "hbm_bytes_per_s", "hbm_bytes", "ici_bytes_per_s"), v))
+                              for k, v in CHIPS.items()}}
+    try:
+        import libtpu  # noqa: F401  (version for the record)
+        data["meta"]["libtpu"] = getattr(libtpu, "__version__", "?")
+    except Exception:
+        pass
+    for shape in shapes:
+        print(f"{shape.name}:", flush=True)
+        entry = data.setdefault("points", {}).setdefault(args.topology, {}).setdefault(shape.key(),
+                                                                                      {"shape": shape.name})
+        if "auto_resolves_to" not in entry or args.recompute:
+            entry["auto_resolves_to"] = resolved_auto(shape)
+        for candidate in candidates:
+            resolved = entry["auto_resolves_to"]["host"]
+            if candidate == resolved and "auto" in entry and "failed" not in entry["auto"] and (
+                    candidate not in entry or args.recompute):
+                # mode="auto" is DPConfig(mode=<resolved>) with nothing else changed: the same program
+                entry[candidate] = {**entry["auto"], "same_program_as": "auto"}
+                continue
+            run_point(data, args.out, args.topology, shape, candidate, mesh, args.recompute)
+    if args.full or args.max_batch:
+        bases = [small(1024, 1)] + ([medium(1024, 1)] if args.full else [])
+        for base in bases:
+            row = data.setdefault("max_batch", {}).setdefault(args.topology, {}).setdefault(base.name, {})
+            for candidate in MAX_BATCH_CANDIDATES:
+                if candidate not in row or args.recompute:
+                    row[candidate] = max_batch(data, args.out, args.topology, base, candidate, mesh,
+                                               args.recompute)
+                    save(args.out, data)
+    save(args.out, data)
+    print(table(data, args.topology, shapes, candidates))
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""experiments/bench_compiled.py: its HLO collective parser (everywhere, on CPU programs) and its smoke run (only where
+libtpu is installed: the benchmark compiles for TPU ahead of time; the default test environment has no libtpu and
+must not import it, since it changes JAX's start-up)."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+_ROOT = pathlib.Path(__file__).parents[1]
+_PATH = _ROOT / "experiments" / "bench_compiled.py"
+_SPEC = importlib.util.spec_from_file_location("bench_compiled", _PATH)
+bench = importlib.util.module_from_spec(_SPEC)
+sys.modules.setdefault("bench_compiled", bench)  # its dataclasses look their module up by name
+_SPEC.loader.exec_module(bench)
+
+
+def test_parser_on_written_hlo_lines():
+    text = "\n".join([
+        "  %ar = f32[128]{0:T(128)} all-reduce(%fusion), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add",
+        "  ROOT %ars = (f32[4,8]{1,0}, bf16[16]{0}) all-reduce-start(%a, %b), replica_groups={{0,1}}",
+        "  %ard = (f32[4,8]{1,0}, bf16[16]{0}) all-reduce-done(%ars)",
+        "  %ags = (f32[2,64]{1,0}, f32[8,64]{1,0}) all-gather-start(%x), dimensions={0}",
+        "  %agd = f32[8,64]{1,0} all-gather-done(%ags)",
+        "  %cps = (f32[10]{0}, f32[10]{0}, u32[], u32[]) collective-permute-start(%y), source_target_pairs={{0,1}}",
+        "  %rs = f32[32]{0} reduce-scatter(%z), dimensions={0}, to_apply=%add",
+        "  %not = f32[999]{0} add(%all-reduce.1, %p)",
+    ])
+    found = bench.parse_collectives(text)
+    assert found["all-reduce"] == {"count": 2, "bytes": 128 * 4 + 4 * 8 * 4 + 16 * 2}
+    assert found["all-gather"] == {"count": 1, "bytes": 8 * 64 * 4}
+    assert found["collective-permute"] == {"count": 1, "bytes": 40}
+    assert found["reduce-scatter"] == {"count": 1, "bytes": 128}
+    assert set(found) == {"all-reduce", "all-gather", "collective-permute", "reduce-scatter"}
+
+
+def test_parser_on_a_compiled_cpu_program():
+    """A program with one known all-reduce (psum of a per-device f32[256]) and one all-gather (4 x f32[2, 64] ->
+    f32[8, 64]), compiled for 4 CPU devices: the parser finds both with their output bytes."""
+    devices = jax.devices()
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py asks for 8 virtual CPU devices)")
+    mesh = Mesh(np.array(devices[:4]), ("data",))
+
+    def local(x, y):
+        return jax.lax.psum(x * 2.0, "data"), jax.lax.all_gather(y + 1.0, "data", tiled=True)
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P()),
+                                check_vma=False))
+    x = jax.ShapeDtypeStruct((4 * 256,), jnp.float32)   # f32[256] per device
+    y = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    found = bench.parse_collectives(f.lower(x, y).compile().as_text())
+    assert found["all-reduce"]["count"] == 1 and found["all-reduce"]["bytes"] == 256 * 4
+    assert found["all-gather"]["count"] == 1 and found["all-gather"]["bytes"] == 8 * 64 * 4
+
+
+def test_missing_libtpu_message(monkeypatch):
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match=r"tpu-aot"):
+        bench.require_libtpu()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu-aot]' in a separate environment)")
+def test_smoke_run(tmp_path):
+    """The benchmark's smallest shape, compiled for a v5e 2x2 slice in a fresh process (JAX with libtpu)."""
+    out = tmp_path / "smoke.json"
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    run = subprocess.run([sys.executable, str(_PATH), "--smoke", "--out", str(out)], env=env, cwd=_ROOT,
+                         capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    points = json.loads(out.read_text())["points"]["v5e:2x2"]
+    (entry,) = points.values()
+    base = entry["nonprivate"]
+    assert base["flops"] > 0 and base["bytes_accessed"] > 0 and "all-reduce" in base["collectives"]
+    for candidate in ("auto", "bk", "ghost", "vmap"):
+        assert entry[candidate]["flops"] >= base["flops"], candidate
+    assert entry["auto_resolves_to"]["host"] in ("bk", "ghost")
+    if "failed" not in entry["bk_pallas"]:
+        assert entry["bk_pallas"]["pallas_calls"] > 0 and entry["bk_pallas"]["pallas_flops"] > 0
+    assert "| nonprivate |" in run.stdout
+
+
+def test_large_buffers_skips_fusions_and_aliases():
+    text = "\n".join([
+        "%fused_computation.1 (param_0: f32[8,1024,512]) -> f32[8,1024,512] {",
+        "  %param_0 = f32[8,1024,512]{2,1,0} parameter(0)",
+        "  ROOT %exp = f32[8,1024,512]{2,1,0} exponential(%param_0)",
+        "}",
+        "ENTRY %main.2 (p: f32[8,1024,512]) -> f32[8,1024,512] {",
+        "  %p = f32[8,1024,512]{2,1,0} parameter(0)",
+        "  %fusion = f32[8,1024,512]{2,1,0} fusion(%p), kind=kLoop, calls=%fused_computation.1",
+        "  %small = f32[8,1024]{1,0} reduce(%fusion, %c), dimensions={2}",
+        "  %b = f32[8,1024,512]{2,1,0} bitcast(%fusion)",
+        "  ROOT %dot = f32[8,1024,512]{2,1,0} convolution(%fusion, %w), dim_labels=b01f_01io->b01f",
+        "}",
+    ])
+    assert bench.large_buffers(text, 8 * 1024 * 512 * 4 // 2) == {"fusion": 1, "convolution": 1}
