@@ -186,3 +186,19 @@ def test_cap_charge_is_a_fixed_share_of_delta():
         smaller = PoissonSampler(DIGITS_N, Q, capacity=sampler.capacity - 1)   # the cap is the smallest such
         assert steps * smaller.truncation_probability * (1 + math.exp(eps + acc.CAP_MARGIN)) > SHARE * DELTA
     assert PoissonSampler.for_privacy_budget(DIGITS_N, Q, 10, DELTA, 800.0).capacity == DIGITS_N + 1
+
+
+@pytest.mark.slow
+def test_noise_multiplier_training_3000_steps_matches_privacy_cli(tmp_path, capsys):
+    """The issue's run, trained for real through the CLI (about a minute on 2 cores)."""
+    sigma, steps = 1.5896, 3000
+    assert main(["train", "--steps", str(steps), "--noise-multiplier", repr(sigma), "--out", str(tmp_path),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["epsilon"]) for r in rows) and rows[-1]["epsilon"] == summary["epsilon"]
+    cli_eps, cli_cap, _ = _privacy_cli(capsys, sigma, steps)
+    assert cli_cap == summary["batch_cap"] and cli_eps == pytest.approx(summary["epsilon"], abs=5e-5)
+    eta = PoissonSampler(DIGITS_N, Q, capacity=summary["batch_cap"]).truncation_probability
+    assert summary["epsilon"] == pytest.approx(certified_reference([(sigma, Q, steps)], eta, "pld"), rel=1e-12)
