@@ -14,11 +14,16 @@ __version__ = "0.1.0"
 # exported name -> the submodule that defines it
 _ATTRIBUTES = {
     "DPConfig": "config",
+    "ClippedGrad": "optax_dp",
     "DPStats": "engine",
+    "GaussianPrivatizerState": "optax_dp",
     "UnsupportedParameterError": "engine",
     "autotune": "engine",
     "choose_mode": "engine",
+    "clipped_grad": "optax_dp",
+    "gaussian_privatizer": "optax_dp",
     "make_plan": "engine",
+    "nnx_private_step": "optax_dp",
     "per_example_grad_norms": "engine",
     "private_value_and_grad": "engine",
 }
@@ -27,7 +32,7 @@ _SUBMODULES = (
     "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
-_OTHER_SUBMODULES = ("cli", "config", "data", "engine", "tape")
+_OTHER_SUBMODULES = ("cli", "config", "data", "engine", "optax_dp", "tape")
 
 __all__ = [*_ATTRIBUTES, *_SUBMODULES]
 
@@ -60,6 +65,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         nn,
         noise,
         ops,
+        optax_dp,
         peft,
         pergrad,
         planner,
@@ -82,4 +88,11 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         make_plan,
         per_example_grad_norms,
         private_value_and_grad,
+    )
+    from dpzero_jax.optax_dp import (  # noqa: F401
+        ClippedGrad,
+        GaussianPrivatizerState,
+        clipped_grad,
+        gaussian_privatizer,
+        nnx_private_step,
     )

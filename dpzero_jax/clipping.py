@@ -42,6 +42,16 @@ def clip_factor(norms: jax.Array, thresholds: jax.Array, clip_fn: str, gamma: fl
     raise ValueError(f"unknown clip_fn {clip_fn!r}; expected one of {CLIP_FUNCTIONS}")
 
 
+def l2_sensitivity(thresholds) -> jax.Array:
+    """``||(R_1..R_M)||`` (float32 scalar): the L2 sensitivity of the clipped sum under add/remove adjacency.
+
+    Adding or removing one example changes group ``m`` of ``sum_i C_{m,i} g_{m,i}`` by at most ``R_m`` (every clip
+    function above keeps ``||C g|| <= R``), hence the whole sum by at most the norm of the thresholds. (Under
+    replace-one adjacency the bound doubles.) ``thresholds``: ``[M]``.
+    """
+    return jnp.sqrt(jnp.sum(jnp.square(jnp.asarray(thresholds, jnp.float32))))
+
+
 def coefficients(norms: jax.Array, thresholds: jax.Array, keep: jax.Array, clip_fn: str,
                  gamma: float = 0.01) -> jax.Array:
     """``[B, M]`` coefficients: clip factors, zero for examples not kept or with a non-finite group norm.

@@ -136,7 +136,8 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
     out = closed.out_avals
     if len(out) != 1 or out[0].shape != (batch_size,):
         raise ValueError(f"loss_fn must return per-example losses of shape [B] = ({batch_size},); got "
-                         f"{[tuple(a.shape) for a in out]}")
+                         f"{[tuple(a.shape) for a in out]}"
+                         f"{' (for (losses, aux) pass has_aux=True)' if len(out) > 1 else ''}")
     if require_supported:
         used = _used_inputs(closed)[:len(leaves)]
         outside = [path for path, u in zip(paths, used) if u]
@@ -511,25 +512,51 @@ def clipped_grad_sum(loss_fn: Callable, cfg: DPConfig, *, layout=None) -> Callab
     return clipped
 
 
-def private_value_and_grad(loss_fn: Callable, cfg: DPConfig) -> Callable:
+def split_aux(loss_fn: Callable, has_aux: bool) -> tuple[Callable, Callable | None]:
+    """``(losses-only loss, aux function or None)`` for ``loss_fn(params, batch) -> (losses [B], aux)``.
+
+    The engine traces and differentiates the losses-only function; the aux comes from one more plain call of
+    ``loss_fn`` on the same inputs (no tape, no gradient; under ``jax.jit`` it is dead code when unused).
+    """
+    if not has_aux:
+        return loss_fn, None
+
+    def losses_only(params, batch):
+        out = loss_fn(params, batch)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            got = (f"a {type(out).__name__} of length {len(out)}" if isinstance(out, (tuple, list)) else
+                   f"an array of shape {tuple(out.shape)}" if hasattr(out, "shape") else type(out).__name__)
+            raise ValueError(f"has_aux=True: loss_fn must return a pair (losses [B], aux), got {got}")
+        return out[0]
+
+    def aux_of(params, batch):
+        return loss_fn(params, batch)[1]
+
+    return losses_only, aux_of
+
+
+def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = False) -> Callable:
     """Transform ``loss_fn(params, batch) -> [B]`` into a differentially private gradient function.
 
     Returns ``fn(params, batch, key, mask=None) -> (losses [B], grads, stats: DPStats)`` with
     ``grads = (sum_i mask_i C_i grad L_i + sigma ||R|| N(0, I)) / expected_batch_size`` (paper 000, eq. 1), where
     the clip factors ``C_{m,i}`` are taken per group. ``key`` is the PRNG key of the noise (required, even with
     ``noise_multiplier=0``, so that the call signature never changes). Works under ``jax.jit``.
+
+    ``has_aux=True``: ``loss_fn`` returns ``(losses [B], aux)`` and ``fn`` returns ``((losses, aux), grads, stats)``
+    (as ``jax.value_and_grad(..., has_aux=True)`` does); see :func:`split_aux` for how the aux is computed.
     """
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
+    losses_fn, aux_of = split_aux(loss_fn, has_aux)
 
     def private_grad(params, batch, key, mask=None):
-        plan, result, stats = _clip(loss_fn, cfg, params, batch, mask)
+        plan, result, stats = _clip(losses_fn, cfg, params, batch, mask)
         divisor = cfg.expected_batch_size or plan.batch_size
-        if cfg.noise_multiplier > 0:
-            std = noise.noise_std(cfg.noise_multiplier, plan.thresholds)
-            grads = noise.add_noise_and_normalise(result.clipped_sum, key, std, divisor, cfg.noise_rng)
-        else:
-            grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / divisor).astype(g.dtype), result.clipped_sum)
+        grads = noise.privatize(result.clipped_sum, key, cfg.noise_multiplier, clipping.l2_sensitivity(plan.thresholds),
+                                divisor, cfg.noise_rng)
+        if aux_of is not None:
+            return (result.losses, aux_of(params, batch)), grads, stats
         return result.losses, grads, stats
 
     return private_grad

@@ -19,10 +19,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dpzero_jax.clipping import l2_sensitivity
+
 
 def noise_std(noise_multiplier: float, thresholds) -> jax.Array:
-    """``sigma * ||(R_1..R_M)||``."""
-    return noise_multiplier * jnp.sqrt(jnp.sum(jnp.square(jnp.asarray(thresholds, jnp.float32))))
+    """``sigma * ||(R_1..R_M)||`` (the sensitivity is :func:`dpzero_jax.clipping.l2_sensitivity`)."""
+    return noise_multiplier * l2_sensitivity(thresholds)
 
 
 def _bit_generator_state(key: jax.Array) -> jax.Array:
@@ -74,6 +76,20 @@ def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_siz
     out = [noised(leaf, jax.random.fold_in(key, j), std, expected_batch_size).astype(leaf.dtype)
            for j, leaf in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
+
+
+def privatize(clipped_sum, key: jax.Array, noise_multiplier: float, sensitivity, expected_batch_size: float,
+              rng: str = "blocked"):
+    """The Gaussian mechanism and the normalisation: ``(clipped_sum + noise_multiplier * sensitivity * N(0, I)) /
+    expected_batch_size``, leaf by leaf as :func:`add_noise_and_normalise` draws it from ``key``; with
+    ``noise_multiplier == 0`` only the division (no draw). The one place both :func:`dpzero_jax.private_value_and_grad`
+    and :func:`dpzero_jax.gaussian_privatizer` noise a gradient. ``sensitivity``: a float32 scalar, e.g.
+    :func:`dpzero_jax.clipping.l2_sensitivity` of the thresholds.
+    """
+    if noise_multiplier > 0:
+        std = noise_multiplier * jnp.asarray(sensitivity, jnp.float32)
+        return add_noise_and_normalise(clipped_sum, key, std, expected_batch_size, rng)
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / expected_batch_size).astype(g.dtype), clipped_sum)
 
 
 def _noised_leaf_partitionable(leaf: jax.Array, key: jax.Array, std, expected_batch_size: float) -> jax.Array:
