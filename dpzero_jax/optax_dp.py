@@ -162,6 +162,10 @@ def nnx_private_step(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = False,
     says), and applies ``optimizer.update(model, grads)`` in place -- ``optimizer`` is an ``nnx.Optimizer`` over any
     optax transformation (without a privatizer: the gradient is already private). ``jit=True`` wraps it in
     ``nnx.jit``. ``cfg.mode="vmap"`` is needed for layers other than ``dpzero_jax.nn``'s.
+
+    The other way round also works: ``nnx.Optimizer(model, optax.chain(gaussian_privatizer(...), tx), wrt=...)``
+    holds the privatizer's key in its state, and a step of your own applies ``optimizer.update(model, grad_sum)``
+    with :func:`clipped_grad`'s sum.
     """
     from flax import nnx
 

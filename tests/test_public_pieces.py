@@ -251,3 +251,26 @@ def test_nnx_private_step_equals_private_value_and_grad(setup):
         np.testing.assert_allclose(new, old - 0.5 * g, rtol=1e-6, atol=1e-7)
     with pytest.raises(dz.UnsupportedParameterError, match="l1"):       # standard layers need mode='vmap' today
         dz.nnx_private_step(model_loss, cfg.replace(mode="bk"), jit=False)(model, optimizer, batch, key)
+
+
+def test_privatizer_inside_nnx_optimizer():
+    """The privatizer's key lives in an ``nnx.Optimizer``'s state and advances across jitted updates."""
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    key = jax.random.key(4)
+    optimizer = nnx.Optimizer(model, optax.chain(dz.gaussian_privatizer(1.0, 1.0, 4.0, key), optax.sgd(1.0)),
+                              wrt=nnx.Param)
+    zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    before = jax.tree.map(jnp.array, nnx.state(model, nnx.Param))
+
+    @nnx.jit
+    def update(model, optimizer, grad_sum):
+        optimizer.update(model, grad_sum)
+
+    update(model, optimizer, zeros)
+    update(model, optimizer, zeros)
+    # sgd(1) of (0 + N(0, I)) / 4 twice: params - noise_0 - noise_1, noise_t drawn from fold_in(key, t), std 1/4
+    noises = [dz.noise.add_noise_and_normalise(zeros, jax.random.fold_in(key, t), 1.0, 4.0) for t in (0, 1)]
+    for new, old, n0, n1 in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(before),
+                                jax.tree.leaves(noises[0]), jax.tree.leaves(noises[1])):
+        np.testing.assert_allclose(new, old - n0 - n1, rtol=1e-6, atol=1e-7)
+        assert float(jnp.max(jnp.abs(new - old))) > 0
