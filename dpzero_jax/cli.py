@@ -151,7 +151,7 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--dataset", choices=("digits",))
     train.add_argument("--hidden", type=_hidden, help="MLP hidden widths, e.g. 128 or 256,128")
     length = train.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_positive_int("--steps"))
+    length.add_argument("--steps", type=_positive_int("--steps"), help="number of steps (default: from --epochs)")
     length.add_argument("--epochs", type=_positive_float("--epochs"), help="steps = ceil(epochs / q)")
     train.add_argument("--batch-size", type=_positive_int("--batch-size"), help="expected (Poisson) batch size")
     train.add_argument("--micro-batch-size", type=_positive_int("--micro-batch-size"),
@@ -221,6 +221,27 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--allow-large-delta", action="store_true",
                        help="accept delta above 1/n (n training examples); recorded in the summary")
     train.add_argument("--no-progress", dest="progress", action="store_false")
+    _show_defaults(train)
+
+
+def _show_defaults(parser) -> None:
+    """Append TrainConfig's default to each flag's help (the flags themselves default to "not given", so that a
+    --config file can fill them)."""
+    import dataclasses
+
+    from dpzero_jax.train import TrainConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    for action in parser._actions:
+        if action.dest not in defaults or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            continue
+        if action.help and "default" in action.help:
+            continue
+        value = defaults[action.dest]
+        if value is None:   # described in the help itself (e.g. --steps: from --epochs)
+            continue
+        shown = str(",".join(map(str, value)) if isinstance(value, tuple) else value).replace("%", "%%")
+        action.help = f"{action.help or ''} (default: {shown})".strip()
 
 
 def _privacy(args) -> str:

@@ -122,3 +122,38 @@ def test_fuzzed_config_files_fail_clearly_or_keep_privacy():
             assert values.get("noise_multiplier") is None or values.get("epsilon") is None
             assert 0 < cfg.delta < 1 and cfg.epsilon > 0
     assert accepted > 10   # the fuzz also exercises valid configurations
+
+
+# ------------------------------------------------------------------ part 4 rough edges
+def test_train_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--lr LR (default: 0.01)" in out and "(default: runs/dpzero)" in out and "(default: 256)" in out
+
+
+def test_autotune_warns_when_it_falls_back_to_vmap():
+    import jax
+    import jax.numpy as jnp
+
+    import dpzero_jax as dz
+
+    def loss_fn(p, batch):   # a parameter used outside a dense layer: only vmap can clip it per example
+        return jnp.sum(jnp.sin(p["w"] * batch["x"]) ** 2, axis=-1)
+
+    with pytest.warns(RuntimeWarning, match="falling back to mode='vmap'"):
+        cfg = dz.autotune(loss_fn, dz.DPConfig(), {"w": jnp.ones((3,))}, {"x": jnp.ones((4, 3))},
+                          jax.random.key(0), repeats=1)
+    assert cfg.mode == "vmap"
+
+
+def test_hf_gpt2_without_task_is_causal_lm(tmp_path):
+    from dpzero_jax import cli
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    values = {"model": f"hf:{tmp_path}"}
+    cli._infer_task(values)
+    assert values["task"] == "causal-lm"
+    values = {"model": f"hf:{tmp_path}", "task": "classification"}
+    cli._infer_task(values)
+    assert values["task"] == "classification"   # an explicit task is kept
