@@ -122,3 +122,16 @@ def test_unusable_output_paths_fail_before_training(tmp_path, capsys, flag):
     with pytest.raises(ValueError, match="not writable"):
         rundir.check_directory("/proc/dpzero-out", "--out")   # exists-but-read-only ancestor (even for root)
     assert main(["train", "--out", "", "--steps", "2"]) == 2
+
+
+def test_export_carries_tokenizer_and_generation_config(tmp_path):
+    source, export = tmp_path / "src", tmp_path / "export"
+    source.mkdir()
+    export.mkdir()
+    for name in ("tokenizer.json", "merges.txt", "vocab.json", "generation_config.json"):
+        (source / name).write_text(f"{{\"{name}\": 1}}")
+    (source / "model.safetensors").write_text("weights: not copied")
+    copied = rundir.copy_hf_extras(str(source), str(export))
+    assert sorted(copied) == ["generation_config.json", "merges.txt", "tokenizer.json", "vocab.json"]
+    assert (export / "merges.txt").read_text() == (source / "merges.txt").read_text()
+    assert not (export / "model.safetensors").exists()
