@@ -70,7 +70,10 @@ class TrainConfig:
 
     Length: ``steps`` if set, else ``ceil(epochs / q)`` with ``q = batch_size / N_train``.
     Privacy: ``noise_multiplier`` if set (then ``epsilon`` is only reported, not targeted), else sigma is calibrated
-    so that the planned steps reach ``epsilon`` at ``delta``. ``no_dp`` trains without clipping or noise.
+    so that the planned steps reach ``epsilon`` at ``delta``. ``no_dp`` trains without clipping or noise. The
+    privacy options are checked by :mod:`dpzero_jax.validation`: booleans must be real booleans, ``noise_multiplier``
+    excludes a non-default ``epsilon`` (and ``from_dict`` refuses both keys), ``noise_multiplier=0`` is refused (use
+    ``no_dp``), and ``delta > 1/n`` needs ``allow_large_delta`` (recorded in the result's summary).
     ``groups``: "all-layer", "layer-wise", "param-wise" or ("uniform", k).
     ``sampling``: "poisson" (default; add/remove adjacency, PLD or RDP), "fixed-size" (exactly ``batch_size``
     examples without replacement; replace-one adjacency, ``accountant="rdp"`` required) or "shuffled" (epochs of a
