@@ -34,7 +34,8 @@ def short_repr(value) -> str:
 
 def check_bool(owner: str, name: str, value) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{owner}.{name} must be true or false (a boolean; strings such as 'false' are not "
+        where = f"{owner}.{name}" if owner == "TrainConfig" else f"{owner}: {name}"
+        raise ValueError(f"{where} must be true or false (a boolean; strings such as 'false' are not "
                          f"accepted), got {short_repr(value)}")
 
 
