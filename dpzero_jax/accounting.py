@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import numbers
 from typing import Any
@@ -95,10 +96,52 @@ def _check_target(target_epsilon: float) -> float:
     return float(target_epsilon)
 
 
+# The PLD accountant discretises the privacy-loss distribution: its time and memory grow with the privacy loss and
+# the number of composed steps (at q=0.01, sigma=0.1, 1000 steps -- epsilon ~1200 -- one call takes ~30 s; at 1e11
+# steps it asks for hundreds of GiB). Beyond these limits it is refused with the reason; RDP (an upper bound, a
+# closed form per order) answers any of them in milliseconds.
+PLD_MAX_STEPS = 10**7
+PLD_MAX_EPSILON = 500.0
+
+
+def _check_pld_work(noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> None:
+    """Refuse a Poisson PLD computation that would take minutes or exhaust memory (see ``PLD_MAX_*``)."""
+    if steps > PLD_MAX_STEPS:
+        raise ValueError(f"steps={steps} is beyond the PLD accountant's limit of {PLD_MAX_STEPS:.0e} composed steps "
+                         f"(its memory grows with the steps); use accountant='rdp' (--accountant rdp)")
+    if noise_multiplier > 0 and steps > 0:
+        absl_logger = logging.getLogger("absl")   # RDP warns about orders it skips; irrelevant for a bound
+        level = absl_logger.level
+        absl_logger.setLevel(logging.ERROR)
+        try:
+            bound = _event_epsilon(_poisson_event(noise_multiplier, sampling_rate, steps), delta, "rdp")
+        finally:
+            absl_logger.setLevel(level)
+        if bound > PLD_MAX_EPSILON:
+            raise ValueError(f"noise_multiplier={noise_multiplier:g} at q={sampling_rate:g} over {steps} steps gives "
+                             f"epsilon ~{bound:.3g} (RDP bound): beyond the PLD accountant's limit of epsilon "
+                             f"{PLD_MAX_EPSILON:g} (no meaningful guarantee, and PLD would take minutes); use more "
+                             f"noise, or accountant='rdp' (--accountant rdp) for the figure")
+
+
+def _check_pld_target(target_epsilon: float) -> None:
+    if target_epsilon > PLD_MAX_EPSILON:
+        raise ValueError(f"target epsilon {target_epsilon:g} is beyond the PLD accountant's limit of "
+                         f"{PLD_MAX_EPSILON:g} (e^{PLD_MAX_EPSILON:g}: no meaningful guarantee, and PLD would take "
+                         f"minutes); use accountant='rdp' (--accountant rdp), or no_dp for a non-private run")
+
+
 def _poisson_event(noise_multiplier: float, sampling_rate: float, steps: int) -> dp_accounting.DpEvent:
     return dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), steps
     )
+
+
+def _event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str) -> float:
+    """Epsilon of one Poisson ``event`` composed from scratch (no memo: calibration's trial sigmas, bounds)."""
+    acc: dp_accounting.PrivacyAccountant = pld.PLDAccountant() if accountant == "pld" else rdp.RdpAccountant()
+    acc.compose(event)
+    return float(acc.get_epsilon(delta))
 
 
 def _fixed_size_batch(sampling_rate: float, dataset_size: int | None) -> tuple[int, int]:
@@ -132,6 +175,8 @@ def epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: fl
         return 0.0
     if sigma == 0:
         return math.inf
+    if accountant == "pld":
+        _check_pld_work(sigma, q, steps, delta)
     key = ((("count", steps), ("noise_multiplier", sigma), ("sampling", "poisson"), ("sampling_rate", q)),)
     return float(_composed(key, accountant).get_epsilon(delta))
 
@@ -146,6 +191,10 @@ def calibrate_noise(target_epsilon: float, sampling_rate: float, steps: int, del
     target = _check_target(target_epsilon)
     q, steps, delta = _check_rate(sampling_rate), _check_steps(steps), _check_delta(delta)
     _check_accountant(accountant)
+    if accountant == "pld" and sampling == "poisson":
+        _check_pld_target(target)
+        if steps > PLD_MAX_STEPS:
+            _check_pld_work(1.0, q, steps, delta)
     return _calibrate(target, q, steps, delta, accountant, float(rtol), sampling, dataset_size)
 
 
@@ -164,6 +213,8 @@ def _calibrate(target: float, q: float, steps: int, delta: float, accountant: st
         return 0.0
 
     def eps(s: float) -> float:
+        if sampling == "poisson":   # checked above; trial sigmas below the answer may exceed the PLD limits briefly
+            return _event_epsilon(_poisson_event(s, q, steps), delta, accountant) if s > 0 else math.inf
         return epsilon(s, q, steps, delta, accountant, sampling=sampling, dataset_size=dataset_size)
 
     # RDP is cheap and (up to discretisation) never below PLD, so its answer is a good upper starting point for PLD.
@@ -253,14 +304,26 @@ def _shrink_bracket(eps, target: float, lo: float, eps_lo: float, hi: float, eps
 
 def max_steps(noise_multiplier: float, sampling_rate: float, target_epsilon: float, delta: float,
               accountant: str = "pld", limit: int = 10**8) -> int:
-    """Largest number of steps whose epsilon is <= ``target_epsilon`` (capped at ``limit``)."""
+    """Largest number of steps whose epsilon is <= ``target_epsilon`` (capped at ``limit``).
+
+    With PLD, step counts beyond ``PLD_MAX_STEPS`` or whose RDP bound exceeds ``PLD_MAX_EPSILON`` are judged by the
+    RDP bound (an upper bound on epsilon: the answer can only be smaller, never a weaker guarantee). Arguments may be
+    given by keyword: ``max_steps(noise_multiplier=, sampling_rate=, target_epsilon=, delta=)``."""
     sigma, q, target, delta = _check_noise(noise_multiplier), _check_rate(sampling_rate), \
         _check_target(target_epsilon), _check_delta(delta)
     _check_accountant(accountant)
     limit = _check_steps(limit, "limit")
+    if accountant == "pld":
+        _check_pld_target(target)
 
     def ok(k: int) -> bool:
-        return epsilon(sigma, q, k, delta, accountant) <= target
+        if sigma == 0:
+            return False
+        if accountant == "pld":   # beyond the PLD limits the RDP bound decides (conservative: never more steps)
+            bound = _event_epsilon(_poisson_event(sigma, q, k), delta, "rdp")
+            if k > PLD_MAX_STEPS or bound > PLD_MAX_EPSILON:
+                return bound <= target
+        return _event_epsilon(_poisson_event(sigma, q, k), delta, accountant) <= target
 
     if limit == 0 or not ok(1):
         return 0

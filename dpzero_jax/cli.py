@@ -73,9 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _positive_int(flag: str):
     def parse(text: str) -> int:
-        value = _non_negative_int(flag)(text)
-        if value == 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {text!r}")
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value < 1:   # one message for 0 and for negative values
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}")
         return value
     return parse
 
@@ -151,7 +154,7 @@ def _add_train_parser(commands) -> None:
     train.add_argument("--dataset", choices=("digits",))
     train.add_argument("--hidden", type=_hidden, help="MLP hidden widths, e.g. 128 or 256,128")
     length = train.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_positive_int("--steps"))
+    length.add_argument("--steps", type=_positive_int("--steps"), help="number of steps (default: from --epochs)")
     length.add_argument("--epochs", type=_positive_float("--epochs"), help="steps = ceil(epochs / q)")
     train.add_argument("--batch-size", type=_positive_int("--batch-size"), help="expected (Poisson) batch size")
     train.add_argument("--micro-batch-size", type=_positive_int("--micro-batch-size"),
@@ -213,8 +216,35 @@ def _add_train_parser(commands) -> None:
                             "backward pass (per example its tokens under DP; the batch's rows with --no-dp)")
     train.add_argument("--rmm-diagnostics-every", type=_non_negative_int("--rmm-diagnostics-every"),
                        help="log D2_SGD, D2_RMM and alpha of each RMM layer every N steps (0: never)")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    resume = train.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --out (an error if there is none)")
+    resume.add_argument("--resume-or-start", action="store_true",
+                        help="resume if --out holds a checkpoint, else start a new run there")
+    train.add_argument("--allow-large-delta", action="store_true",
+                       help="accept delta above 1/n (n training examples); recorded in the summary")
     train.add_argument("--no-progress", dest="progress", action="store_false")
+    _show_defaults(train)
+
+
+def _show_defaults(parser) -> None:
+    """Append TrainConfig's default to each flag's help (the flags themselves default to "not given", so that a
+    --config file can fill them)."""
+    import dataclasses
+
+    from dpzero_jax.train import TrainConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    for action in parser._actions:
+        if action.dest not in defaults or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            continue
+        if action.help and "default" in action.help:
+            continue
+        value = defaults[action.dest]
+        if value is None:   # described in the help itself (e.g. --steps: from --epochs)
+            continue
+        shown = str(",".join(map(str, value)) if isinstance(value, tuple) else value).replace("%", "%%")
+        action.help = f"{action.help or ''} (default: {shown})".strip()
 
 
 def _privacy(args) -> str:
@@ -264,10 +294,10 @@ def _load_config_file(path: str) -> dict:
     import json
     from pathlib import Path
 
+    from dpzero_jax.validation import read_text
+
     file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config: no such file {path!r}")
-    text = file.read_text()
+    text = read_text(file, "--config")
     try:
         if file.suffix in (".yaml", ".yml"):
             import yaml
@@ -289,19 +319,43 @@ def _train(args) -> str:
 
     options = vars(args).copy()
     options.pop("command")
-    resume = options.pop("resume", False)
+    resume = "or-start" if options.pop("resume_or_start", False) else options.pop("resume", False)
+    options.pop("resume", None)
     values = _load_config_file(options.pop("config")) if "config" in options else {}
     values = {str(k).replace("-", "_"): v for k, v in values.items()}
-    if "epsilon" in options:  # an explicit target epsilon on the command line beats a file's noise multiplier
-        values["noise_multiplier"] = None
+    # the file on its own must be consistent (noise_multiplier / epsilon / no_dp exclusive, real booleans) ...
+    from dpzero_jax.validation import check_privacy_options
+
+    check_privacy_options(values, f"--config {args.config}" if "config" in vars(args) else "TrainConfig")
+    # ... and a privacy flag on the command line replaces the file's privacy choice
+    for flag in ("epsilon", "noise_multiplier", "no_dp"):
+        if flag in options:
+            for name in ("epsilon", "noise_multiplier", "no_dp"):
+                values.pop(name, None)
     if "steps" in options:
         values.pop("epochs", None)
     if "epochs" in options:
         values["steps"] = None
     values.update(options)
+    _infer_task(values)
     result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
     exported = f"\nHugging Face checkpoint in {values['export']}" if values.get("export") else ""
     return result.summary() + f"\noutputs in {result.out}" + exported
+
+
+def _infer_task(values: dict) -> None:
+    """``--model hf:DIR`` without ``--task``: causal-lm for a GPT-2 checkpoint (the only causal LM supported)."""
+    model = values.get("model")
+    if "task" in values or not isinstance(model, str) or not model.startswith("hf:"):
+        return
+    from dpzero_jax import hf
+
+    try:
+        model_type = hf.read_config(model[3:].strip()).get("model_type")
+    except Exception:  # noqa: BLE001 -- the Trainer reports an unreadable checkpoint with its own message
+        return
+    if model_type == "gpt2":
+        values["task"] = "causal-lm"
 
 
 def main(argv: list[str] | None = None) -> int:

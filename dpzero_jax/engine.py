@@ -595,11 +595,13 @@ def autotune(loss_fn: Callable, cfg: DPConfig, params, batch, key, *, mask=None,
                       cfg.replace(mode="vmap", microbatch_size=1),
                       cfg.replace(mode="vmap", microbatch_size=batch_size)]
     best, best_time = None, math.inf
+    failed = []
     for candidate in candidates:
         fn = jax.jit(private_value_and_grad(loss_fn, candidate))
         try:
             jax.block_until_ready(fn(params, batch, key, mask))
-        except (ValueError, UnsupportedParameterError):
+        except (ValueError, UnsupportedParameterError) as error:
+            failed.append(f"{candidate.mode}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
             continue  # e.g. fused with groups spanning layers
         times = []
         for _ in range(repeats):
@@ -611,4 +613,11 @@ def autotune(loss_fn: Callable, cfg: DPConfig, params, batch, key, *, mask=None,
             best, best_time = candidate, elapsed
     if best is None:
         raise ValueError("autotune: no candidate mode could run on this model and config")
+    if best.mode == "vmap" and failed and all(c.mode == "vmap" for c in candidates
+                                              if not any(f.startswith(c.mode + ":") for f in failed)):
+        import warnings
+
+        warnings.warn("autotune: falling back to mode='vmap' (per-example gradients instantiated: the slowest and "
+                      "largest mode) because the other modes cannot run on this model: " + "; ".join(failed),
+                      RuntimeWarning, stacklevel=2)
     return best

@@ -108,16 +108,23 @@ _CONFIG_KEYS = {"name": "name", "n_layer": "n_layer", "d_model": "d_model", "n_e
 
 def config_from_dict(values: dict, name: str = "custom") -> DecoderConfig:
     """A :class:`DecoderConfig` from a mapping; GPT2Config's names (``n_embd``, ``vocab_size``, ``n_positions``,
-    ``n_inner``, ``tie_word_embeddings``) are accepted as aliases. Unknown keys are an error."""
+    ``n_inner``, ``tie_word_embeddings``) are accepted as aliases. Unknown keys are an error, except in a Hugging
+    Face ``config.json`` (it has ``model_type``): there, GPT-2's other keys (dropouts, token ids, activation, ...)
+    do not change the memory plan and are ignored."""
     if not isinstance(values, dict):
         raise ValueError(f"model config {name!r} must be a JSON object, got {type(values).__name__}")
+    if "model_type" in values:   # a save_pretrained config.json
+        if values["model_type"] != "gpt2":
+            raise ValueError(f"model config {name!r}: model_type {values['model_type']!r}; the planner models "
+                             "GPT-2-style decoders (model_type 'gpt2')")
+        values = {k: v for k, v in values.items() if k in _CONFIG_KEYS and v is not None}
     unknown = sorted(set(values) - set(_CONFIG_KEYS))
     if unknown:
         raise ValueError(f"model config {name!r}: unknown keys {unknown}; expected some of {sorted(_CONFIG_KEYS)}")
     fields: dict = {"name": name}
     for key, value in values.items():
         field = _CONFIG_KEYS[key]
-        if field in fields and field != "name":
+        if field in fields and field != "name" and fields[field] != value:
             raise ValueError(f"model config {name!r}: {field} given twice (as {key!r} and an alias)")
         fields[field] = value
     missing = [f for f in ("n_layer", "d_model", "n_head", "vocab", "n_ctx") if f not in fields]

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dpzero_jax import hf
+from dpzero_jax.validation import read_text
 
 TASKS = ("classification", "causal-lm")
 HELD_OUT_FRACTION = 0.1
@@ -102,33 +103,32 @@ def read_examples(path, *, task: str, text_field: str = "text", label_field: str
         if task != "causal-lm":
             raise ValueError(f"{file}: a .txt file has no labels; classification needs a .jsonl file with "
                              f"{text_field!r} and {label_field!r} fields")
-        text = file.read_text()
+        text = read_text(file, "data file")
         if not text.strip():
             raise ValueError(f"{file}: empty text file")
         return [text], None
     if file.suffix not in (".jsonl", ".json"):
         raise ValueError(f"{file}: unsupported data file type {file.suffix!r}; expected .txt or .jsonl")
     texts, labels = [], []
-    with open(file) as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{file}:{number}: not a JSON object ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{file}:{number}: expected a JSON object, got {type(record).__name__}")
-            if not isinstance(record.get(text_field), str):
-                raise ValueError(f"{file}:{number}: no string field {text_field!r} (the text field; "
+    for number, line in enumerate(read_text(file, "data file").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{file}:{number}: not a JSON object ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{file}:{number}: expected a JSON object, got {type(record).__name__}")
+        if not isinstance(record.get(text_field), str):
+            raise ValueError(f"{file}:{number}: no string field {text_field!r} (the text field; "
+                             f"fields: {sorted(record)})")
+        texts.append(record[text_field])
+        if task == "classification":
+            label = record.get(label_field)
+            if isinstance(label, bool) or not isinstance(label, (int, str)):
+                raise ValueError(f"{file}:{number}: no int or string field {label_field!r} (the label field; "
                                  f"fields: {sorted(record)})")
-            texts.append(record[text_field])
-            if task == "classification":
-                label = record.get(label_field)
-                if isinstance(label, bool) or not isinstance(label, (int, str)):
-                    raise ValueError(f"{file}:{number}: no int or string field {label_field!r} (the label field; "
-                                     f"fields: {sorted(record)})")
-                labels.append(label)
+            labels.append(label)
     if not texts:
         raise ValueError(f"{file}: no examples")
     return texts, (labels if task == "classification" else None)

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, hf, models, peft, rmm, rmm_diagnostics, sharding, text
+from dpzero_jax import accounting, hf, models, peft, rmm, rmm_diagnostics, rundir, sharding, text, validation
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
@@ -59,6 +59,7 @@ RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every",
                      "devices", "mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
                      "process_id", "rmm_diagnostics_every", "export")
 OPTIMIZERS = ("adam", "sgd", "adamw")
+EPSILON_DEFAULT = 3.0
 CLIP_FNS = ("abadi", "automatic", "global")
 MAX_CAP_FACTOR = 4   # a Poisson batch cap above this many times the expected batch is refused (Trainer._batch_cap)
 
@@ -71,7 +72,10 @@ class TrainConfig:
 
     Length: ``steps`` if set, else ``ceil(epochs / q)`` with ``q = batch_size / N_train``.
     Privacy: ``noise_multiplier`` if set (then ``epsilon`` is only reported, not targeted), else sigma is calibrated
-    so that the planned steps reach ``epsilon`` at ``delta``. ``no_dp`` trains without clipping or noise.
+    so that the planned steps reach ``epsilon`` at ``delta``. ``no_dp`` trains without clipping or noise. The
+    privacy options are checked by :mod:`dpzero_jax.validation`: booleans must be real booleans, ``noise_multiplier``
+    excludes a non-default ``epsilon`` (and ``from_dict`` refuses both keys), ``noise_multiplier=0`` is refused (use
+    ``no_dp``), and ``delta > 1/n`` needs ``allow_large_delta`` (recorded in the result's summary).
     ``groups``: "all-layer", "layer-wise", "param-wise" or ("uniform", k).
     ``sampling``: "poisson" (default; add/remove adjacency, PLD or RDP), "fixed-size" (exactly ``batch_size``
     examples without replacement; replace-one adjacency, ``accountant="rdp"`` required) or "shuffled" (epochs of a
@@ -120,7 +124,7 @@ class TrainConfig:
     epochs: float = 30.0
     batch_size: int = 256
     micro_batch_size: int | None = None
-    epsilon: float = 3.0
+    epsilon: float = 3.0   # EPSILON_DEFAULT
     delta: float = 1e-5
     noise_multiplier: float | None = None
     accountant: str = "pld"
@@ -167,10 +171,11 @@ class TrainConfig:
     no_dp: bool = False
     progress: bool = True
     plot: bool = True
+    allow_large_delta: bool = False
 
     def __post_init__(self):
         def fail(name, expected, value):
-            raise ValueError(f"TrainConfig.{name} must be {expected}, got {value!r}")
+            raise ValueError(f"TrainConfig.{name} must be {expected}, got {validation.short_repr(value)}")
 
         def is_int(v):
             return isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -178,9 +183,13 @@ class TrainConfig:
         def is_num(v):
             return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
-        if self.model not in MODELS and not (isinstance(self.model, str) and self.model.startswith("hf:")
-                                             and self.model[3:].strip()):
+        for name in validation.BOOL_FIELDS:   # never a string: "false" is not False
+            validation.check_bool("TrainConfig", name, getattr(self, name))
+        if not isinstance(self.model, str) or (self.model not in MODELS and not (
+                self.model.startswith("hf:") and self.model[3:].strip())):
             fail("model", f"one of {MODELS} or 'hf:PATH'", self.model)
+        if not isinstance(self.out, str) or not self.out.strip():
+            fail("out", "a non-empty directory path", self.out)
         if self.task not in TASKS:
             fail("task", f"one of {TASKS}", self.task)
         if self.task == "causal-lm" and not self.model.startswith("hf:"):
@@ -199,8 +208,10 @@ class TrainConfig:
         for name in ("text_field", "label_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 fail(name, "a non-empty string", getattr(self, name))
-        if self.export is not None and (not isinstance(self.export, str) or not self.export):
+        if self.export is not None and (not isinstance(self.export, str) or not self.export.strip()):
             fail("export", "a directory path or None", self.export)
+        if self.export is not None:
+            rundir.check_export_target(self.export, _hf_path(self))
         if self.dataset not in DATASETS:
             fail("dataset", f"one of {DATASETS}", self.dataset)
         if self.optimizer not in OPTIMIZERS:
@@ -241,7 +252,7 @@ class TrainConfig:
             fail("zero", f"one of {sharding.ZERO_STAGES}", self.zero)
         if self.strategy not in STRATEGIES:
             fail("strategy", f"one of {STRATEGIES}", self.strategy)
-        if self.precision not in PRECISIONS:
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             fail("precision", f"one of {tuple(PRECISIONS)}", self.precision)
         explicit = (self.coordinator, self.num_processes, self.process_id)
         if any(v is not None for v in explicit):
@@ -301,7 +312,12 @@ class TrainConfig:
         if not is_num(self.delta) or not 0 < self.delta < 1:
             fail("delta", "in (0, 1)", self.delta)
         if self.noise_multiplier is not None and (not is_num(self.noise_multiplier) or self.noise_multiplier < 0):
-            fail("noise_multiplier", "a finite number >= 0 or None", self.noise_multiplier)
+            fail("noise_multiplier", "a finite number > 0 or None", self.noise_multiplier)
+        validation.check_noise(self.noise_multiplier)
+        if self.noise_multiplier is not None and self.epsilon != EPSILON_DEFAULT:
+            validation.check_privacy_options({"noise_multiplier": self.noise_multiplier, "epsilon": self.epsilon})
+        if self.no_dp and self.noise_multiplier is not None:
+            validation.check_privacy_options({"no_dp": True, "noise_multiplier": self.noise_multiplier})
         # the DP-specific fields are checked by DPConfig itself (groups, mode, ...)
         DPConfig(max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn, groups=self.groups, mode=self.mode,
                  microbatch_size=self.micro_batch_size, norm_kernel=self.norm_kernel)
@@ -314,7 +330,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from a mapping; keys may use dashes (``max-grad-norm``); unknown keys are an error."""
+        """Build from a mapping; keys may use dashes (``max-grad-norm``); unknown keys are an error, and so are the
+        exclusive pairs of :func:`dpzero_jax.validation.check_privacy_options` (``noise_multiplier`` with ``epsilon``,
+        either with ``no_dp``) and non-boolean values of boolean options."""
         names = {f.name for f in dataclasses.fields(cls)}
         clean = {}
         for key, value in data.items():
@@ -322,6 +340,7 @@ class TrainConfig:
             if name not in names:
                 raise ValueError(f"unknown training option {key!r}")
             clean[name] = value
+        validation.check_privacy_options(clean)
         return cls(**clean)
 
 
@@ -343,6 +362,7 @@ class TrainResult:
     batch_cap: int | None = None           # Poisson: static slots per step (batches beyond are truncated)
     truncation_charge: float | None = None  # Poisson: share of delta charged for truncation, mass * (1 + e^eps) / delta
     accounting_s: dict | None = None        # seconds in privacy accounting: plan (calibration), rows, final
+    large_delta: bool = False   # delta > 1/n, allowed by allow_large_delta
     params: Any = dataclasses.field(repr=False, default=None)
     opt_state: Any = dataclasses.field(repr=False, default=None)
     history: list = dataclasses.field(repr=False, default_factory=list)
@@ -370,6 +390,8 @@ class TrainResult:
                 within = f", within the {reserved:g} reserved" if self.truncation_charge <= reserved else ""
                 privacy += (f"  batch cap {self.batch_cap} (truncation charge {self.truncation_charge:.2g} of "
                             f"delta{within})")
+        if self.large_delta and self.noise_multiplier is not None:
+            privacy += " [delta > 1/n: allowed by --allow-large-delta]"
         if self.task == "causal-lm":
             quality = f"test loss {self.test_loss:.4f}  test perplexity {self.test_perplexity:.2f}"
         else:
@@ -589,6 +611,8 @@ class Trainer:
         if cfg.batch_size > n:
             raise ValueError(f"batch_size={cfg.batch_size} exceeds the training set size {n}")
         self.dataset_size = n
+        if not cfg.no_dp:
+            validation.check_delta(cfg.delta, n, cfg.allow_large_delta)
         self.sampling_rate = cfg.batch_size / n
         root = jax.random.key(cfg.seed)
         self.init_key = jax.random.fold_in(root, 1)
@@ -619,6 +643,8 @@ class Trainer:
                     sampling="fixed-size" if fixed else "poisson", dataset_size=n if fixed else None)
             finally:
                 absl_logger.setLevel(level)
+        if self.formal_guarantee and cfg.sampling == "poisson" and cfg.accountant == "pld":
+            accounting._check_pld_work(self.noise_multiplier, self.sampling_rate, self.steps, cfg.delta)
         # the epsilon the run will end at, known before training (None without a formal guarantee)
         self.planned_epsilon = None if not self.formal_guarantee else self._plan_epsilon()
         if poisson:
@@ -933,46 +959,68 @@ class Trainer:
         abstract = {"leaves": [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=target)
                                for x, target in zip(template, targets, strict=True)],
                     "key": jax.ShapeDtypeStruct((2,), np.uint32), "step": jax.ShapeDtypeStruct((), np.int64)}
-        errors, skipped = [], []
+        corrupt = []   # (step, reason) of checkpoints that fail to restore
+        found = None
         try:
             for step in sorted(manager.all_steps(), reverse=True):
                 try:
-                    restored = manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-                    state, meta = restored["state"], restored["meta"]
-                    if int(state["step"]) != step or meta["step"] != step:
-                        raise ValueError(f"step mismatch in checkpoint {step}")
-                    if not np.array_equal(np.asarray(state["key"]), np.asarray(jax.random.key_data(self.init_key))):
-                        raise ValueError("checkpoint was written with a different seed")
-                    ledger = accounting.PrivacyLedger.from_dict(meta["ledger"])
-                    saved_config = meta["config"]
+                    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                    saved_config, ledger = meta["config"], accounting.PrivacyLedger.from_dict(meta["ledger"])
                 except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
-                    errors.append(f"step {step}: {type(error).__name__}: {error}")
-                    skipped.append(step)
+                    corrupt.append((step, f"{type(error).__name__}: {error}"))
                     warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
                                   stacklevel=3)
                     continue
-                self._check_same_run(saved_config)
+                self._check_same_run(saved_config)   # another run's checkpoint: refuse, touching nothing
+                try:
+                    state = manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract)))["state"]
+                    if int(state["step"]) != step or meta["step"] != step:
+                        raise ValueError(f"step mismatch in checkpoint {step}")
+                except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
+                    corrupt.append((step, f"{type(error).__name__}: {error}"))
+                    warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
+                                  stacklevel=3)
+                    continue
+                if not np.array_equal(np.asarray(state["key"]), np.asarray(jax.random.key_data(self.init_key))):
+                    raise ValueError(f"cannot resume from {directory}: checkpoint {step} was written with a "
+                                     f"different seed; use the original --seed or another --out")
                 params, opt_state = jax.tree.unflatten(treedef, list(state["leaves"]))
                 found = step, params, opt_state, ledger
                 break
-            else:
-                found = None
         finally:
             manager.close()
-        # move unreadable checkpoints newer than the one used out of the way (kept for inspection, not reused)
-        for bad in skipped if self.is_primary else ():
-            path = directory / str(bad)
-            if path.exists():
-                path.rename(directory / f"{bad}.unreadable-{int(time.time())}")
-        if found is not None:
-            return found
-        if errors:
-            raise RuntimeError(f"no checkpoint in {directory} could be restored: " + "; ".join(errors))
-        return None
+        if found is None:
+            if corrupt:   # nothing is moved: the user decides what to do with them
+                raise RuntimeError(f"no checkpoint in {directory} could be restored: " +
+                                   "; ".join(f"step {s}: {r}" for s, r in corrupt))
+            return None
+        # the resume is accepted: set aside the unrestorable checkpoints newer than the one used, with the reason
+        for bad, reason in corrupt if self.is_primary else ():
+            rundir.set_aside(directory, bad, reason)
+        return found
 
     # ---------------------------------------------------------------- the loop
-    def run(self, resume: bool = False, stop_at: int | None = None) -> TrainResult:
+    def run(self, resume: bool | str = False, stop_at: int | None = None) -> TrainResult:
+        """``resume``: False (a new run; refused if ``out`` holds another run's outputs), True (continue from the
+        newest good checkpoint; an error if there is none) or ``"or-start"`` (resume if there is a checkpoint,
+        else start anew in a directory without earlier outputs). ``out`` (and ``export``) are checked writable
+        and ``out`` is locked for the duration (:mod:`dpzero_jax.rundir`)."""
+        resume = rundir.resume_mode(resume)
+        if resume is True and not (self.out / "checkpoints").is_dir():   # a typo in --out: create nothing
+            raise FileNotFoundError(f"resume: {self.out} holds no checkpoints/ to resume from (use "
+                                    f"--resume-or-start / resume='or-start' to start a new run there instead)")
+        lock = None
+        if self.is_primary:
+            rundir.check_output_paths(self.out, self.config.export)
+            lock = rundir.RunLock(self.out).acquire()
+        try:
+            return self._run(resume, stop_at)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self, resume, stop_at: int | None) -> TrainResult:
         from tqdm.auto import tqdm
 
         cfg = self.config
@@ -982,18 +1030,19 @@ class Trainer:
         opt_state = self.tx.init(params)
         ledger = accounting.PrivacyLedger()
         start = 0
-        if resume:
-            restored = self._restore(params, opt_state)
-            if restored is not None:
-                start, params, opt_state, ledger = restored
-        elif (self.out / "checkpoints").exists() and any((self.out / "checkpoints").iterdir()):
-            raise FileExistsError(f"{self.out / 'checkpoints'} already holds checkpoints; use resume=True "
-                                  f"(--resume) or another output directory (--out)")
+        restored = self._restore(params, opt_state) if resume else None
+        if restored is not None:
+            start, params, opt_state, ledger = restored
+        elif resume is True:
+            raise FileNotFoundError(f"resume: no checkpoint in {self.out / 'checkpoints'} to resume from (use "
+                                    f"--resume-or-start / resume='or-start' to start a new run there instead)")
+        else:
+            rundir.check_fresh(self.out, resume)
         params, opt_state = self._place(params, opt_state)
         end = self.steps if stop_at is None else min(self.steps, stop_at)
 
         metrics_path = self.out / "metrics.jsonl" if self.is_primary else Path(os.devnull)
-        earlier = _read_metrics(metrics_path, upto=start) if resume else []
+        earlier = _read_metrics(metrics_path, upto=start) if restored is not None else []
         with open(metrics_path, "w") as f:   # rows are streamed to this file, not kept in memory
             f.writelines(json.dumps(row) + "\n" for row in earlier)
         del earlier
@@ -1081,6 +1130,7 @@ class Trainer:
                              test_perplexity=float(test_acc) if lm else None, batch_cap=cap,
                              truncation_charge=charge, accounting_s=dict(self.accounting_s), params=params,
                              opt_state=opt_state,
+                             large_delta=cfg.delta > 1.0 / self.dataset_size,
                              history=history, model=model)
         summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
                    if f.name not in ("params", "opt_state", "history", "model")}
@@ -1096,6 +1146,7 @@ class Trainer:
             _plot(history, self.out / "training.png")
         if cfg.export is not None:
             models.pretrained.save(export_model, cfg.export)
+            rundir.copy_hf_extras(_hf_path(cfg), cfg.export)
         return result
 
 
