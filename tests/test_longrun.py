@@ -175,8 +175,11 @@ def test_short_noise_multiplier_training_reports_finite_epsilon(tmp_path):
 def test_unaffordable_runs_are_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="noise_multiplier=0 adds no noise"):
         Trainer(TrainConfig(out=str(tmp_path), steps=10, noise_multiplier=0.0, progress=False))
-    with pytest.raises(ValueError, match=r"needs a batch cap of \d+ slots per step .*more than the 1024 allowed"):
+    # epsilon ~7,800 (RDP): with PLD the accountant's work limit refuses it first; with RDP the batch cap does
+    with pytest.raises(ValueError, match="beyond the PLD accountant's limit"):
         Trainer(TrainConfig(out=str(tmp_path), steps=3000, noise_multiplier=0.3, progress=False))
+    with pytest.raises(ValueError, match=r"needs a batch cap of \d+ slots per step .*more than the 1024 allowed"):
+        Trainer(TrainConfig(out=str(tmp_path), steps=3000, noise_multiplier=0.3, accountant="rdp", progress=False))
 
 
 def test_cap_charge_is_a_fixed_share_of_delta():
