@@ -50,7 +50,9 @@ def _non_negative_int(flag: str):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
+    """The ``dpzero`` parser. ``train_flags=False`` registers ``train`` without its flags: they come from
+    ``TrainConfig`` and import JAX, which ``dpzero privacy`` and ``dpzero plan`` never need."""
     parser = argparse.ArgumentParser(prog="dpzero", description="Differentially private training in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
     privacy = commands.add_parser("privacy", help="epsilon of a DP-SGD run, or sigma for a target epsilon")
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     privacy.add_argument("--dataset-size", type=_positive_int("--dataset-size"),
                          help="N: also size the Poisson batch cap as `dpzero train` does and include the charge "
                               "for truncated batches (q * N is the expected batch)")
-    _add_train_parser(commands)
+    _add_train_parser(commands, train_flags)
     planner.add_parser(commands)
     return parser
 
@@ -129,12 +131,14 @@ def _hidden(text: str):
     return widths
 
 
-def _add_train_parser(commands) -> None:
-    from dpzero_jax.config import MODES
-
+def _add_train_parser(commands, with_flags: bool = True) -> None:
     # every default is None (SUPPRESS): unset flags fall back to --config, then to TrainConfig's defaults
     train = commands.add_parser("train", help="train a model with DP-SGD (default: MLP on digits, epsilon 3)",
                                 argument_default=argparse.SUPPRESS)
+    if not with_flags:
+        return
+    from dpzero_jax.config import MODES
+
     train.add_argument("--config", help="JSON or YAML file of TrainConfig options (flags override it)")
     train.add_argument("--model", type=_model,
                        help="mlp, vit, or hf:PATH (a Hugging Face save_pretrained directory: GPT-2, BERT, "
@@ -359,7 +363,8 @@ def _infer_task(values: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(train_flags=not argv or argv[0] not in ("privacy", "plan")).parse_args(argv)
     try:
         if args.command == "privacy":
             print(_privacy(args))

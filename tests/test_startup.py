@@ -39,3 +39,15 @@ def test_exported_names_resolve_and_are_listed():
     assert set(dz.__all__) <= set(namespace) and namespace["make_plan"] is engine.make_plan
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = dz.no_such_name
+
+
+@pytest.mark.parametrize("command", ["plan", "privacy"])
+def test_help_of_jax_free_commands_imports_no_jax(command):
+    """``dpzero plan --help`` and ``dpzero privacy --help`` build the parser without ``train``'s flags (which come from
+    TrainConfig and import JAX)."""
+    code = (f"import sys, runpy; sys.argv = ['dpzero', {command!r}, '--help']\n"
+            "try:\n    runpy.run_module('dpzero_jax', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            f"print('heavy:', ','.join(m for m in {HEAVY!r} if m in sys.modules) or 'none')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert f"dpzero {command}" in out and out.strip().splitlines()[-1] == "heavy: none", out
