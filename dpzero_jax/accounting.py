@@ -45,6 +45,7 @@ last few compositions are memoised); it is the accountant of record.  The traine
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -104,19 +105,26 @@ PLD_MAX_STEPS = 10**7
 PLD_MAX_EPSILON = 500.0
 
 
+@contextlib.contextmanager
+def quiet_rdp_warnings():
+    """Silence dp_accounting's RDP warnings (through absl) about orders it skips: irrelevant for a bound."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
 def _check_pld_work(noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> None:
     """Refuse a Poisson PLD computation that would take minutes or exhaust memory (see ``PLD_MAX_*``)."""
     if steps > PLD_MAX_STEPS:
         raise ValueError(f"steps={steps} is beyond the PLD accountant's limit of {PLD_MAX_STEPS:.0e} composed steps "
                          f"(its memory grows with the steps); use accountant='rdp' (--accountant rdp)")
     if noise_multiplier > 0 and steps > 0:
-        absl_logger = logging.getLogger("absl")   # RDP warns about orders it skips; irrelevant for a bound
-        level = absl_logger.level
-        absl_logger.setLevel(logging.ERROR)
-        try:
+        with quiet_rdp_warnings():
             bound = _event_epsilon(_poisson_event(noise_multiplier, sampling_rate, steps), delta, "rdp")
-        finally:
-            absl_logger.setLevel(level)
         if bound > PLD_MAX_EPSILON:
             raise ValueError(f"noise_multiplier={noise_multiplier:g} at q={sampling_rate:g} over {steps} steps gives "
                              f"epsilon ~{bound:.3g} (RDP bound): beyond the PLD accountant's limit of epsilon "

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import math
 import numbers
 import os
@@ -631,18 +630,13 @@ class Trainer:
         elif cfg.noise_multiplier is not None:
             self.noise_multiplier = float(cfg.noise_multiplier)
         else:
-            absl_logger = logging.getLogger("absl")  # the RDP bracket of calibrate_noise warns about low orders
-            level = absl_logger.level
-            absl_logger.setLevel(logging.ERROR)
             fixed = cfg.sampling == "fixed-size"
             # Poisson: the batch cap below is sized so that truncation takes TRUNCATION_SHARE of delta at most
             calibration_delta = cfg.delta * (1.0 - accounting.TRUNCATION_SHARE) if poisson else cfg.delta
-            try:
+            with accounting.quiet_rdp_warnings():   # the RDP bracket of calibrate_noise warns about low orders
                 self.noise_multiplier = accounting.calibrate_noise(
                     cfg.epsilon, self.sampling_rate, self.steps, calibration_delta, accountant=cfg.accountant,
                     sampling="fixed-size" if fixed else "poisson", dataset_size=n if fixed else None)
-            finally:
-                absl_logger.setLevel(level)
         if self.formal_guarantee and cfg.sampling == "poisson" and cfg.accountant == "pld":
             accounting._check_pld_work(self.noise_multiplier, self.sampling_rate, self.steps, cfg.delta)
         # the epsilon the run will end at, known before training (None without a formal guarantee)
@@ -710,14 +704,9 @@ class Trainer:
         if cfg.sampling == "fixed-size":
             return accounting.epsilon(sigma, self.sampling_rate, self.steps, cfg.delta, cfg.accountant,
                                       sampling="fixed-size", dataset_size=self.dataset_size)
-        absl_logger = logging.getLogger("absl")  # RDP warns about low orders
-        level = absl_logger.level
-        absl_logger.setLevel(logging.ERROR)
-        try:
+        with accounting.quiet_rdp_warnings():
             return accounting.planned_epsilon(sigma, self.sampling_rate, self.steps,
                                               cfg.delta * (1.0 - accounting.TRUNCATION_SHARE), cfg.accountant)
-        finally:
-            absl_logger.setLevel(level)
 
     def _batch_cap(self, n: int, n_devices: int) -> PoissonSampler:
         """The Poisson sampler with the batch cap the run can afford (:func:`accounting.plan_overflow_target`).
