@@ -14,6 +14,7 @@ from dpzero_jax.pergrad import NORM_METHODS
 from kernels.ghost_norm import NORM_KERNELS
 
 MODES = ("auto", "bk", "ghost", "fused", "vmap")
+FRONT_ENDS = ("auto", "layers", "program")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,11 @@ class DPConfig:
         key and its global index, so a sharded gradient is noised shard by shard, on its owner, and the noise is the
         same on any number of devices). See :mod:`dpzero_jax.noise`.
     group_thresholds: explicit ``(R_1..R_M)`` instead of ``R / sqrt(M)``.
+    front_end: where the plan comes from. ``"layers"``: the calls of ``dpzero_jax`` layers (every mode, ZeRO-3
+        layer-by-layer gathering, RMM); ``"program"``: the traced program of any JAX model (flax.nnx, flax.linen,
+        plain ``jax.numpy``; scans stay scans), book-keeping only (``mode`` ``"bk"`` or ``"auto"``; ``"vmap"`` runs
+        as ever); ``"auto"`` (default): ``"layers"`` when every trainable leaf is used inside ``dpzero_jax`` layers,
+        else ``"program"``. See :mod:`dpzero_jax.program`.
     """
 
     noise_multiplier: float = 1.0
@@ -56,6 +62,7 @@ class DPConfig:
     gamma: float = 0.01
     noise_rng: str = "blocked"
     group_thresholds: Sequence[float] | None = None
+    front_end: str = "auto"
 
     def __post_init__(self):
         def positive_number(name, value, allow_zero=False):
@@ -71,6 +78,8 @@ class DPConfig:
             raise ValueError(f"DPConfig.clip_fn={self.clip_fn!r}: expected one of {CLIP_FUNCTIONS}")
         if self.mode not in MODES:
             raise ValueError(f"DPConfig.mode={self.mode!r}: expected one of {MODES}")
+        if self.front_end not in FRONT_ENDS:
+            raise ValueError(f"DPConfig.front_end={self.front_end!r}: expected one of {FRONT_ENDS}")
         if self.norm_method not in NORM_METHODS:
             raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {NORM_METHODS}")
         if self.noise_rng not in NOISE_RNGS:

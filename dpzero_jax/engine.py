@@ -87,6 +87,8 @@ class Plan:
     group_names: tuple[str, ...]
     thresholds: tuple[float, ...]
     batch_size: int
+    outside: tuple[str, ...] = ()                  # trainable leaves used outside dpzero_jax layers
+    front_end: str = "layers"
 
     @property
     def shared_calls(self) -> frozenset[int]:
@@ -138,14 +140,13 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
         raise ValueError(f"loss_fn must return per-example losses of shape [B] = ({batch_size},); got "
                          f"{[tuple(a.shape) for a in out]}"
                          f"{' (for (losses, aux) pass has_aux=True)' if len(out) > 1 else ''}")
-    if require_supported:
-        used = _used_inputs(closed)[:len(leaves)]
-        outside = [path for path, u in zip(paths, used) if u]
-        if outside:
-            raise UnsupportedParameterError(
-                f"trainable parameters used outside a supported DP layer: {outside}. Build the model from "
-                "dpzero_jax layers (dpzero_jax.nn / dpzero_jax.ops), freeze these parameters (leave them out of "
-                "params), or use mode='vmap'.")
+    used = _used_inputs(closed)[:len(leaves)]
+    outside = [path for path, u in zip(paths, used) if u]
+    if require_supported and outside:
+        raise UnsupportedParameterError(
+            f"trainable parameters used outside a supported DP layer: {outside}. This engine path needs "
+            "dpzero_jax layers (dpzero_jax.nn / dpzero_jax.ops); DPConfig(front_end='auto' or 'program') with "
+            "mode='bk' or 'auto' computes any model from its traced program, and mode='vmap' always works.")
     trainable_records = tuple(r for r in records if r.param_paths)
     uses: dict[str, list] = collections.defaultdict(list)
     for record in trainable_records:
@@ -155,7 +156,7 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
     group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
     thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
     return Plan(tuple(paths), trainable_records, {p: tuple(u) for p, u in uses.items()}, group_of, group_names,
-                tuple(float(t) for t in thresholds), batch_size)
+                tuple(float(t) for t in thresholds), batch_size, tuple(outside))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -471,14 +472,79 @@ def _check_mask(mask, batch_size):
     return mask.astype(bool)
 
 
+def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
+    """``"layers"`` or ``"program"`` for this config and plan; refuses what the program front-end cannot do."""
+    if cfg.mode == "vmap":
+        return "layers"  # differentiates the loss itself: any model
+    wanted = cfg.front_end
+    if wanted == "auto":
+        wanted = "program" if plan.outside else "layers"
+    if wanted == "layers":
+        if plan.outside:
+            raise UnsupportedParameterError(
+                f"trainable parameters used outside a supported DP layer: {list(plan.outside)}, and "
+                "DPConfig.front_end='layers'. Use front_end='auto' or 'program' (any JAX model, mode 'bk' or "
+                "'auto'), build the model from dpzero_jax layers, or use mode='vmap'.")
+        return "layers"
+    if cfg.mode in ("ghost", "fused"):
+        which = f"trainable parameters {list(plan.outside)} are used outside dpzero_jax layers" if plan.outside \
+            else "front_end='program' was asked for"
+        raise UnsupportedParameterError(
+            f"mode={cfg.mode!r} runs on dpzero_jax layers only, and {which}. The traced-program front-end runs "
+            "mode='bk' (or 'auto'), which gives the same clipped gradient; mode='vmap' works for any model.")
+    if layout is not None:
+        raise UnsupportedParameterError(
+            "gathering ZeRO-3 shards layer by layer needs dpzero_jax layers, and trainable parameters "
+            f"{list(plan.outside) or 'of this model'} are handled by the traced-program front-end: use the "
+            "gspmd strategy or gather_by_layer=False.")
+    return "program"
+
+
+def _program_clip(cfg: DPConfig, plan, params, batch, mask) -> _Clipped:
+    """Book-keeping on the traced program (:mod:`dpzero_jax.program`), ``microbatch_size`` at a time."""
+    from dpzero_jax.program import mode as program_mode
+
+    chunk = cfg.microbatch_size or plan.batch_size
+    leaves = jax.tree.leaves(params)
+
+    def cast(grads):
+        return jax.tree.unflatten(jax.tree.structure(params),
+                                  [g.astype(leaf.dtype) for g, leaf in zip(jax.tree.leaves(grads), leaves)])
+
+    if chunk >= plan.batch_size:
+        losses, grads, norms, coef = program_mode.program_bk(cfg, plan, params, batch, mask)
+        return _Clipped(losses, cast(grads), norms, coef)
+    chunks, chunk_mask, unsplit = _microbatches(batch, mask, chunk)
+
+    def step(acc, inputs):
+        losses, grads, norms, coef = program_mode.program_bk(cfg, plan, params, *inputs)
+        return jax.tree.map(jnp.add, acc, grads), (losses, norms, coef)
+
+    init = jax.tree.map(lambda leaf: jnp.zeros(np.shape(leaf), jnp.float32), params)
+    acc, (losses, norms, coef) = jax.lax.scan(step, init, (chunks, chunk_mask))
+    return _Clipped(unsplit(losses), cast(acc), unsplit(norms), unsplit(coef))
+
+
+def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None):
+    """Plan with the configured front-end and run the mode: ``(plan, concrete config, clipped result)``."""
+    plan_params = params if layout is None else _whole_shapes(params, layout)
+    plan = make_plan(loss_fn, cfg, plan_params, batch, require_supported=False)
+    mask = _check_mask(mask, plan.batch_size)
+    if _front_end(cfg, plan, layout) == "program":
+        from dpzero_jax.program import mode as program_mode
+
+        concrete = cfg.replace(mode="bk", norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
+        program_plan = program_mode.plan_program(loss_fn, concrete, params, batch, plan.paths, plan.batch_size)
+        return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask)
+    concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
+    return plan, concrete, MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
+
+
 def _clip(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None) -> tuple[Plan, _Clipped, DPStats]:
     """Plan, run the configured mode, and summarise: ``(plan, clipped result, stats)``. With a ``layout`` the plan
     is traced on the whole parameters' shapes (``layout.full``) and the mode on the shards."""
-    plan_params = params if layout is None else _whole_shapes(params, layout)
-    plan = make_plan(loss_fn, cfg, plan_params, batch, require_supported=cfg.mode != "vmap")
-    concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
+    plan, _, result = _plan_and_run(loss_fn, cfg, params, batch, mask, layout)
     mask = _check_mask(mask, plan.batch_size)
-    result = MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
     nonfinite = jnp.logical_and(mask, jnp.logical_not(jnp.logical_and(
         jnp.isfinite(result.losses), jnp.all(jnp.isfinite(result.norms), axis=1))))
     squeeze = (lambda x: x[:, 0]) if result.norms.shape[1] == 1 else (lambda x: x)
@@ -563,20 +629,19 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
 
 
 def per_example_grad_norms(loss_fn: Callable, params, batch, *, norm_method: str = "mixed",
-                           mode: str = "bk", norm_kernel: str = "auto") -> Array:
+                           mode: str = "bk", norm_kernel: str = "auto", front_end: str = "auto") -> Array:
     """``[B]`` exact L2 norms of the per-example gradients over all parameters (no clipping, no noise).
 
-    ``mode="bk"`` uses the layer rules (fails on parameters outside supported layers); ``mode="vmap"`` computes
-    per-example gradients. ``norm_kernel``: as in :class:`DPConfig`.
+    ``mode="bk"`` uses the layer rules, or the traced program when parameters are used outside ``dpzero_jax``
+    layers (``front_end``, as in :class:`DPConfig`); ``mode="ghost"`` needs ``dpzero_jax`` layers; ``mode="vmap"``
+    computes per-example gradients. ``norm_kernel``: as in :class:`DPConfig`.
     """
     if mode not in ("bk", "ghost", "vmap"):
         raise ValueError(f"per_example_grad_norms: mode must be 'bk', 'ghost' or 'vmap', got {mode!r}")
     cfg = DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method=norm_method,
-                   norm_kernel=norm_kernel)
-    cfg = cfg.replace(norm_kernel=ghost_norm.resolve(norm_kernel))
-    plan = make_plan(loss_fn, cfg, params, batch, require_supported=mode != "vmap")
-    mask = jnp.ones((plan.batch_size,), bool)
-    return MODES[mode](loss_fn, cfg, plan, params, batch, mask).norms[:, 0]
+                   norm_kernel=norm_kernel, front_end=front_end)
+    _, _, result = _plan_and_run(loss_fn, cfg, params, batch, None)
+    return result.norms[:, 0]
 
 
 def autotune(loss_fn: Callable, cfg: DPConfig, params, batch, key, *, mask=None, candidates=None,

@@ -101,30 +101,40 @@ def raw_bias_setup() -> Setup:
     return Setup("raw-bias", params, loss_fn, mlp_batch(30, in_features=6, num_classes=4), ("lin", "b"))
 
 
-@pytest.mark.parametrize("mode", ["bk", "ghost", "fused"])
-def test_raw_param_outside_layers_is_rejected(mode):
+@pytest.mark.parametrize("mode", ["ghost", "fused"])
+def test_raw_param_outside_layers_is_rejected_by_layer_only_modes(mode):
     setup = raw_bias_setup()
     cfg = dz.DPConfig(noise_multiplier=0.0, groups="param-wise", mode=mode)
     with pytest.raises(dz.UnsupportedParameterError, match=r"\['b'\]") as info:
         private_fn(setup.loss_fn, cfg)(setup.params, setup.batch, jax.random.key(0))
-    assert "lin/kernel" not in str(info.value)
+    assert "lin/kernel" not in str(info.value) and "mode='bk'" in str(info.value)
     assert isinstance(info.value, ValueError)
 
 
-def test_raw_param_norms_rejected_in_bk_but_exact_in_vmap():
+def test_raw_param_rejected_with_front_end_layers():
     setup = raw_bias_setup()
+    cfg = dz.DPConfig(noise_multiplier=0.0, mode="bk", front_end="layers")
+    with pytest.raises(dz.UnsupportedParameterError, match=r"\['b'\].*front_end"):
+        private_fn(setup.loss_fn, cfg)(setup.params, setup.batch, jax.random.key(0))
+
+
+def test_raw_param_norms_exact_in_bk_and_vmap():
+    """The traced-program front-end takes over in bk mode: no parameter is refused."""
+    setup = raw_bias_setup()
+    for mode in ("bk", "vmap"):
+        norms = ref.jit(lambda p, b, mode=mode: dz.per_example_grad_norms(setup.loss_fn, p, b, mode=mode))(
+            setup.params, setup.batch)
+        np.testing.assert_allclose(norms, setup.group_norms("all-layer")[:, 0], rtol=1e-5)
     with pytest.raises(dz.UnsupportedParameterError, match="'b'"):
-        dz.per_example_grad_norms(setup.loss_fn, setup.params, setup.batch)
-    norms = ref.jit(lambda p, b: dz.per_example_grad_norms(setup.loss_fn, p, b, mode="vmap"))(setup.params,
-                                                                                              setup.batch)
-    np.testing.assert_allclose(norms, setup.group_norms("all-layer")[:, 0], rtol=1e-5)
+        dz.per_example_grad_norms(setup.loss_fn, setup.params, setup.batch, mode="ghost")
 
 
 @pytest.mark.parametrize("clip_fn, groups, microbatch", [("abadi", "all-layer", None), ("global", "param-wise", 2),
                                                          ("automatic", "layer-wise", 1)])
-def test_raw_param_works_in_vmap_mode(clip_fn, groups, microbatch):
+def test_raw_param_works_in_vmap_and_bk_modes(clip_fn, groups, microbatch):
     setup = raw_bias_setup()
-    check_private(setup, clip_fn=clip_fn, groups=groups, mode="vmap", microbatch_size=microbatch)
+    for mode in ("vmap", "bk"):
+        check_private(setup, clip_fn=clip_fn, groups=groups, mode=mode, microbatch_size=microbatch)
 
 
 def test_frozen_raw_param_is_fine():

@@ -1,0 +1,99 @@
+"""Evaluate a single-example jaxpr with a zero *probe* added to the output of every site and the site's data
+operands recorded (the "custom interpreter" pattern of the JAX documentation).
+
+Run inside ``jax.vmap`` (over examples) and ``jax.vjp`` (with respect to the probes), it gives book-keeping's two
+ingredients per site: the operands (``records``) and the output gradient (the probes' cotangent), without any
+parameter gradient by autodiff. Every other equation is bound as it is. Sub-programs that contain sites:
+
+* ``jit`` / ``closed_call`` / ``custom_jvp_call``: evaluated inline (the interpreter enters them);
+* ``remat``: re-emitted as ``jax.checkpoint`` with its policy around the interpreted body (probes in, records out);
+* ``scan``: re-emitted as ``lax.scan`` over the interpreted body, never unrolled: the sites' probes are extra
+  scanned inputs and their records extra stacked outputs (leading axis: the iteration).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jcore
+
+from dpzero_jax.program.analyze import Analysis, _sub_jaxpr
+
+
+def bind(eqn, invals) -> list:
+    """Apply one equation to values (what ``jax.core.eval_jaxpr`` does for it)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _under(probes: dict, path: tuple) -> dict:
+    return {p: v for p, v in probes.items() if p[:len(path)] == path and len(p) > len(path)}
+
+
+def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, path: tuple = ()) -> list:
+    """Evaluate ``jaxpr``; ``probes[site path]`` are added to the sites' outputs, ``records[site path]`` receives
+    the list of the site's recorded operands."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for var, value in zip(jaxpr.constvars, consts):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args):
+        env[var] = value
+    for index, eqn in enumerate(jaxpr.eqns):
+        here = path + (index,)
+        invals = [read(v) for v in eqn.invars]
+        site = analysis.sites.get(here)
+        if site is not None:
+            (out,) = bind(eqn, invals)
+            outs = [out + probes[here].astype(out.dtype)]
+            records[here] = [invals[i] for i in site.recorded]
+        elif here in analysis.containers:
+            outs = _enter(eqn, invals, analysis, _under(probes, here), records, here)
+        else:
+            outs = bind(eqn, invals)
+        for var, value in zip(eqn.outvars, outs):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _enter(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tuple) -> list:
+    name = eqn.primitive.name
+    if name == "scan":
+        return _scan(eqn, invals, analysis, probes, records, here)
+    sub, consts = _sub_jaxpr(eqn)
+    if name in ("remat2", "checkpoint"):
+        def body(args, sub_probes):
+            inner: dict = {}
+            outs = run(sub, consts, args, analysis, sub_probes, inner, here)
+            return outs, inner
+
+        rematerialised = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
+                                        policy=eqn.params.get("policy"))
+        outs, inner = rematerialised(invals, probes)
+        records.update(inner)
+        return outs
+    return run(sub, consts, invals, analysis, probes, records, here)
+
+
+def _scan(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tuple) -> list:
+    params = eqn.params
+    body = params["jaxpr"]
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
+
+    def step(carry, scanned):
+        x_slices, probe_slices = scanned
+        inner: dict = {}
+        outs = run(body.jaxpr, body.consts, list(consts) + list(carry) + list(x_slices), analysis, probe_slices,
+                   inner, here)
+        return outs[:n_carry], (outs[n_carry:], inner)
+
+    carry_out, (ys, inner) = jax.lax.scan(step, list(carry), (list(xs), probes), length=params["length"],
+                                          reverse=params["reverse"], unroll=params["unroll"])
+    records.update(inner)
+    return list(carry_out) + list(ys)

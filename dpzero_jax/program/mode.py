@@ -1,0 +1,258 @@
+"""Book-keeping on the traced program: exact clipped per-example gradient sums for any JAX model.
+
+``plan_program`` traces the single-example loss once and finds the sites (:mod:`dpzero_jax.program.analyze`).
+``program_bk`` then runs, over the batch (``jax.vmap``), the single-example program with a zero probe on every
+site's output (:mod:`dpzero_jax.program.interpret`) and one ``jax.vjp`` with respect to the probes and the
+fallback leaves only, so that no other parameter gradient is formed by autodiff. From each site's operands and
+output gradient (:mod:`dpzero_jax.program.sites`):
+
+* leaves whose sites are all ``dot`` / ``gather`` get :class:`~dpzero_jax.pergrad.Outer` factors, blockwise: norms
+  by the ghost or instantiated form (the mixed rule of ``pergrad``, with every cross term between uses: tied
+  weights exact), clipped sums as one contraction per use;
+* leaves with a ``local`` site get their per-example gradient instantiated (``B x`` the leaf: scales, shifts,
+  convolution kernels, position tables, class tokens);
+* fallback leaves get theirs from the VJP (``B x`` the leaf).
+
+Then the usual clip coefficients per group and ``sum_i C_{m,i} g_{m,i}``. Examples with a zero coefficient
+contribute exactly zero (rows selected away, never multiplied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpzero_jax import clipping, pergrad
+from dpzero_jax.program import sites as sites_lib
+from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
+from dpzero_jax.program.interpret import run
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramPlan:
+    """The plan of the program front-end (static: no arrays besides the jaxpr's constants)."""
+
+    paths: tuple[str, ...]
+    closed: Any                     # ClosedJaxpr of loss_i(leaves, example leaves) -> []
+    analysis: Analysis
+    group_of: dict[str, int]
+    group_names: tuple[str, ...]
+    thresholds: tuple[float, ...]
+    batch_size: int
+    front_end: str = "program"
+
+    def sites_of(self, leaf: int) -> list:
+        return [s for s in self.analysis.sites.values() if s.view.leaf == leaf]
+
+
+def _single_example(loss_fn, treedef, example_treedef):
+    def loss_one(leaves, example_leaves):
+        example = jax.tree.unflatten(example_treedef, example_leaves)
+        losses = loss_fn(jax.tree.unflatten(treedef, leaves), jax.tree.map(lambda x: x[None], example))
+        return losses[0]
+    return loss_one
+
+
+def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> ProgramPlan:
+    """Trace the single-example loss and find where each trainable leaf meets the example (see module doc)."""
+    leaves, treedef = jax.tree.flatten(params)
+    example_leaves, example_treedef = jax.tree.flatten(batch)
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
+    abstract_example = [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in example_leaves]
+    closed = jax.make_jaxpr(_single_example(loss_fn, treedef, example_treedef))(abstract, abstract_example)
+    analysis = Analysis()
+    kinds = [View(i) for i in range(len(leaves))] + [DATA] * len(example_leaves)
+    outs = analyze(closed.jaxpr, kinds, analysis)
+    for kind in outs:  # a loss term from the parameters alone (no data): every example carries it
+        if not isinstance(kind, str):
+            analysis.mark_fallback(_kind_leaves(kind), "enters the loss without the example's data")
+    for site in list(analysis.sites.values()):
+        if not jnp.issubdtype(site.out_aval.dtype, jnp.inexact):
+            analysis.mark_fallback({site.view.leaf}, f"used by '{site.eqn.primitive.name}' with an integer result")
+    analysis.finish()
+    order = sorted(analysis.sites.values(), key=lambda s: s.path)
+    layer_order = [clipping.parent(paths[s.view.leaf]) for s in order]
+    layer_order += [clipping.parent(paths[i]) for i in sorted(analysis.fallback)]
+    group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
+    thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
+    return ProgramPlan(tuple(paths), closed, analysis, group_of, group_names, tuple(float(t) for t in thresholds),
+                       batch_size)
+
+
+def _kind_leaves(kind) -> set:
+    if isinstance(kind, View):
+        return {kind.leaf}
+    return set(getattr(kind, "leaves", ()))
+
+
+def _pass(plan: ProgramPlan, leaves, batch_leaves):
+    """The probed forward and one VJP, per example: ``(losses [B], records, probe cotangents, fallback grads)``."""
+    analysis = plan.analysis
+    fallback = sorted(analysis.fallback)
+
+    def per_example(leaves, example):
+        probes = {path: jnp.zeros(tuple(site.lengths) + tuple(site.out_aval.shape), site.out_aval.dtype)
+                  for path, site in analysis.sites.items()}
+
+        def forward(probes, fallback_values):
+            values = list(leaves)
+            for i, v in zip(fallback, fallback_values):
+                values[i] = v
+            records: dict = {}
+            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, probes, records)
+            return loss, records
+
+        loss, pullback, records = jax.vjp(forward, probes, [leaves[i] for i in fallback], has_aux=True)
+        probe_ct, fallback_ct = pullback(jnp.ones_like(loss))
+        return loss, records, probe_ct, fallback_ct
+
+    return jax.vmap(per_example, in_axes=(None, 0))(list(leaves), list(batch_leaves))
+
+
+def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct):
+    """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}``."""
+    fallback = sorted(plan.analysis.fallback)
+    terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32)) for i, g in zip(fallback, fallback_ct)}
+    by_leaf: dict[int, list] = {}
+    for _, site in sorted(plan.analysis.sites.items(), key=lambda item: item[0]):
+        by_leaf.setdefault(site.view.leaf, []).append(site)
+    for leaf, leaf_sites in by_leaf.items():
+        factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path]))
+                    for s in leaf_sites if s.kind != "local"]
+        if len(factored) == len(leaf_sites) and _same_blocks(factored):
+            terms[leaf] = ("outer", factored)
+            continue
+        total = 0.0
+        for s, f in factored:
+            total = total + sites_lib.instantiate(s, f, leaves[leaf])
+        for s in leaf_sites:
+            if s.kind == "local":
+                total = total + sites_lib.local_grad(s, records[s.path], probe_ct[s.path], leaves[leaf])
+        terms[leaf] = ("direct", total)
+    return terms
+
+
+def _same_blocks(factored) -> bool:
+    """Uses whose blocks, rows, columns and canonical layout agree can share cross terms (ids or not)."""
+    keys = {f.structure + (sites_lib.xs_lengths(s),) for s, f in factored}
+    return len(keys) == 1
+
+
+def _outer_uses(factored, k: int | None = None):
+    """pergrad ``Outer`` uses with examples and blocks merged into the leading axis (or block ``k`` only)."""
+    uses = []
+    for _, f in factored:
+        left, right = f.left, f.right
+        if k is not None:
+            left, right = left[:, k], right[:, k]
+        else:
+            left = left.reshape((-1,) + left.shape[2:])
+            right = right.reshape((-1,) + right.shape[2:])
+        uses.append(pergrad.Outer(left, right, f.rows, (f.rows, f.right.shape[-1]), f.left_is_ids))
+    return uses
+
+
+def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int):
+    """``(sq [B], clipped(coef) -> [K, rows, cols])`` for one leaf with factored uses."""
+    k = factored[0][1].left.shape[1]
+    uses = _outer_uses(factored)
+    if k > 1:
+        kernel = "xla"
+    ghost = pergrad.use_ghost(uses, method, kernel)
+    if not ghost and kernel == "xla":
+        dense = sum(pergrad.instantiate(u) for u in uses).reshape((batch, k) + (uses[0].rows, uses[0].cols))
+        sq = jnp.sum(jnp.square(dense).reshape(batch, -1), axis=1)
+
+        def clipped(coef):
+            return pergrad.weighted_sum([pergrad.Direct(dense)], coef)
+        return sq, clipped
+    sq = pergrad.sq_norm(uses, "ghost" if ghost else "instantiate", kernel).reshape(batch, k).sum(axis=1)
+
+    def clipped(coef):
+        return jnp.stack([pergrad.weighted_sum(_outer_uses(factored, j), coef, kernel) for j in range(k)])
+    return sq, clipped
+
+
+def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
+    """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])`` on one (micro)batch."""
+    leaves, treedef = jax.tree.flatten(params)
+    batch_leaves = jax.tree.leaves(batch)
+    size = batch_leaves[0].shape[0]
+    losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves)
+    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct)
+    sq, summers = {}, {}
+    for leaf, (form, value) in terms.items():
+        if form == "direct":
+            sq[leaf] = jnp.sum(jnp.square(value).reshape(size, -1), axis=1)
+            summers[leaf] = (lambda v: lambda coef: pergrad.weighted_sum([pergrad.Direct(v)], coef))(value)
+        else:
+            sq[leaf], clipped = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size)
+            site, first = value[0]
+            summers[leaf] = (lambda c, s, f, lf: lambda coef: sites_lib.to_leaf(s, c(coef), lf, f))(
+                clipped, site, first, leaves[leaf])
+    group_sq = jnp.zeros((size, len(plan.group_names)), jnp.float32)
+    for leaf, value in sq.items():
+        group_sq = group_sq.at[:, plan.group_of[plan.paths[leaf]]].add(value)
+    norms = jnp.sqrt(group_sq)
+    keep = jnp.logical_and(mask, jnp.isfinite(losses))
+    coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), keep, cfg.clip_fn, cfg.gamma)
+    out = []
+    for i, leaf in enumerate(leaves):
+        if i in summers:
+            out.append(summers[i](coef[:, plan.group_of[plan.paths[i]]]).reshape(leaf.shape).astype(jnp.float32))
+        else:
+            out.append(jnp.zeros(leaf.shape, jnp.float32))
+    return losses, jax.tree.unflatten(treedef, out), norms, coef
+
+
+def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
+    """Per trainable parameter: how the program front-end computes its per-example gradient.
+
+    Rows: ``path``, ``rule`` (the sites' kinds: ``dot`` / ``gather`` / ``local``, or ``fallback``), ``method``
+    (``ghost`` / ``instantiate`` for factored uses by the mixed rule, ``instantiate`` for local sites, ``fallback``:
+    autodiff per example), ``per_example_bytes`` (float32 bytes the norm needs per example), ``group``, ``why``
+    (the reason for a fallback).
+    """
+    leaves = jax.tree.leaves(params)
+    method = getattr(cfg, "norm_method", "mixed")
+    rows = []
+    for i, (path, leaf) in enumerate(zip(plan.paths, leaves)):
+        size = math.prod(np.shape(leaf))
+        leaf_sites = plan.sites_of(i)
+        why = ""
+        if i in plan.analysis.fallback:
+            rule, how, nbytes, why = "fallback", "fallback", 4 * size, plan.analysis.reasons.get(i, "")
+        elif not leaf_sites:
+            rule, how, nbytes = "unused", "-", 0
+        else:
+            kinds = sorted({s.kind for s in leaf_sites})
+            rule = "+".join(kinds)
+            if "local" in kinds:
+                how, nbytes = "instantiate", 4 * size
+            else:
+                positions = sum(_positions(s) for s in leaf_sites)
+                rows_cols = math.prod(leaf_sites[0].eqn.invars[leaf_sites[0].param_operand].aval.shape)
+                ghost = method == "ghost" or (method != "instantiate" and 2 * positions ** 2 < rows_cols)
+                how = "ghost" if ghost else "instantiate"
+                nbytes = 4 * (positions ** 2 if ghost else size)
+        rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
+                     "group": plan.group_names[plan.group_of[path]], "why": why})
+    return rows
+
+
+def _positions(site) -> int:
+    """Positions of one site per example (summed over the scan iterations of a leaf passed whole)."""
+    if site.kind == "gather":
+        t = math.prod(site.eqn.invars[1].aval.shape[:-1])
+    else:
+        (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+        data = site.eqn.invars[1 - site.param_operand].aval.shape
+        c_d, b_d = (lc, lb) if site.param_operand == 1 else (rc, rb)
+        t = math.prod(n for i, n in enumerate(data) if i not in c_d and i not in b_d)
+    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+    return t * math.prod(n for n, lv in zip(site.lengths, levels) if lv == "const")

@@ -1,0 +1,253 @@
+"""Per-example gradients of one site from its recorded operands and its output gradient.
+
+Arrays arriving here carry leading axes ``[B, *lengths]`` (the example, then the enclosing scans' iterations).
+For a leaf sliced by a scan (level ``"xs"``) each iteration's gradient belongs to its own slice -- a *block*; for a
+leaf passed whole (level ``"const"``) the iterations' gradients add up -- more *positions*.
+
+* ``dot`` and ``gather`` sites give :class:`Factored`: ``left [B, K, T, rows]`` (or int ids ``[B, K, T]``) and
+  ``right [B, K, T, cols]`` with ``K`` blocks (scan slices x the dot's batch dimensions), the weight viewed in a
+  canonical layout ``[*batch, *contracting, *free]`` (a transpose of the view; norms unchanged);
+* ``local`` sites give the per-example gradient of the whole leaf, ``[B, *leaf.shape]``.
+
+:func:`to_leaf` maps a ``[K, rows, cols]`` sum (or one example's blocks) back to the leaf: inverse transpose, then
+the VJP of the view's chain, slice by slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpzero_jax.program.analyze import Site
+from dpzero_jax.program.interpret import bind
+
+
+@dataclasses.dataclass(frozen=True)
+class Factored:
+    left: jax.Array       # [B, K, T, rows] floats, or [B, K, T] ids
+    right: jax.Array      # [B, K, T, cols]
+    rows: int
+    left_is_ids: bool
+    canonical_shape: tuple  # the view in canonical layout (per scan slice): [*dot batch, *contracting, *free]
+    perm: tuple             # view axes -> canonical axes
+    swapped: bool = False   # left and right exchanged so that the factors follow the leaf's own axis order
+    layout: tuple = ()      # what two uses must share to add their factors: the leaf axes of [rows | cols]
+
+    @property
+    def structure(self):
+        return (self.left.shape[1], self.rows, self.right.shape[-1], self.layout)
+
+
+def _leaf_axes(site: Site):
+    """The leaf (slice) axis behind each axis of the view, when the chain only casts and transposes; else None."""
+    ndim = len(site.view.chain[0].invars[0].aval.shape) if site.view.chain else \
+        len(site.eqn.invars[site.param_operand].aval.shape)
+    axes = list(range(ndim))
+    for eqn in site.view.chain:
+        name = eqn.primitive.name
+        if name == "transpose":
+            axes = [axes[p] for p in eqn.params["permutation"]]
+        elif name not in ("convert_element_type", "copy", "copy_p"):
+            return None
+    return axes
+
+
+def _vmap_n(fn, n: int, in_axes):
+    for _ in range(n):
+        fn = jax.vmap(fn, in_axes=in_axes)
+    return fn
+
+
+def replay_chain(site: Site, base, skip_casts: bool = False):
+    """The view (the site's parameter operand) from the leaf, or from its per-iteration slice. ``skip_casts``:
+    leave dtype conversions out (mapping a float32 gradient back without rounding it to a half-precision view)."""
+    value = base
+    for eqn in site.view.chain:
+        if skip_casts and eqn.primitive.name == "convert_element_type":
+            continue
+        (value,) = bind(eqn, [value] + [v.val for v in eqn.invars[1:]])
+    return value
+
+
+def _dot_factors(site: Site, data, g):
+    """One instance: ``(left [Kd, T, rows], right [Kd, T, cols], canonical shape, perm)`` of a dot site."""
+    eqn = site.eqn
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    p = site.param_operand
+    w_shape = tuple(eqn.invars[p].aval.shape)
+    c_d, c_w = (lc, rc) if p == 1 else (rc, lc)
+    b_d, b_w = (lb, rb) if p == 1 else (rb, lb)
+    f_d = [i for i in range(data.ndim) if i not in c_d and i not in b_d]
+    f_w = [i for i in range(len(w_shape)) if i not in c_w and i not in b_w]
+    nb = len(b_d)
+    # Output axes: batch, then the left operand's free axes, then the right's.
+    out_fd = list(range(nb, nb + len(f_d))) if p == 1 else list(range(nb + len(f_w), nb + len(f_w) + len(f_d)))
+    out_fw = list(range(nb + len(f_d), nb + len(f_d) + len(f_w))) if p == 1 else list(range(nb, nb + len(f_w)))
+    kd = math.prod(data.shape[i] for i in b_d)
+    positions = math.prod(data.shape[i] for i in f_d)
+    rows = math.prod(data.shape[i] for i in c_d)
+    cols = math.prod(w_shape[i] for i in f_w)
+    left = jnp.transpose(data, list(b_d) + f_d + list(c_d)).reshape(kd, positions, rows)
+    right = jnp.transpose(g, list(range(nb)) + out_fd + out_fw).reshape(kd, positions, cols)
+    perm = tuple(b_w) + tuple(c_w) + tuple(f_w)
+    return left, right, tuple(w_shape[i] for i in perm), perm
+
+
+def factored(site: Site, operands, g) -> Factored:
+    """A dot or gather site's factors with ``[B, K, T, ...]`` layout."""
+    lead = 1 + len(site.lengths)
+    if site.kind == "dot":
+        def one(data, g_):
+            left, right, _, _ = _dot_factors(site, data, g_)
+            return left, right
+
+        left, right = _vmap_n(one, lead, 0)(operands[0], g)
+        canonical, perm = _canonical(site)
+        ids = False
+    else:  # gather: operands[0] are the start indices [..., 1]
+        table = tuple(site.eqn.invars[0].aval.shape)
+        cols = math.prod(table[1:])
+        left = operands[0].reshape(operands[0].shape[:lead] + (1, -1))
+        right = g.reshape(g.shape[:lead] + (1, left.shape[-1], cols))
+        canonical, perm, ids = table, tuple(range(len(table))), True
+    rows = left.shape[-1] if not ids else site.eqn.invars[0].aval.shape[0]
+    left, right = _blocks(site, left, right, ids)
+    view_axes = _leaf_axes(site)
+    layout: tuple = ("view", site.path)
+    swapped = False
+    if view_axes is not None and len(canonical) >= 1:
+        leaf_order = [view_axes[i] for i in perm]
+        n_rows = _n_row_axes(site)
+        if len(leaf_order) == n_rows + (len(canonical) - n_rows) and leaf_order == sorted(leaf_order):
+            layout = (tuple(leaf_order[:n_rows]), tuple(leaf_order[n_rows:]))
+        elif (not ids and leaf_order[n_rows:] + leaf_order[:n_rows] == sorted(leaf_order)
+              and _n_batch_axes(site) == 0):
+            left, right, rows, swapped = right, left, right.shape[-1], True
+            layout = (tuple(leaf_order[n_rows:]), tuple(leaf_order[:n_rows]))
+    return Factored(left, right, rows, ids, tuple(canonical), perm, swapped, layout)
+
+
+def _n_batch_axes(site: Site) -> int:
+    if site.kind == "gather":
+        return 0
+    (_, _), (lb, rb) = site.eqn.params["dimension_numbers"]
+    return len(lb)
+
+
+def _n_row_axes(site: Site) -> int:
+    """Axes of the canonical layout before the columns: the dot's batch and contracting axes (a table's row)."""
+    if site.kind == "gather":
+        return 1
+    (lc, _), (lb, _) = site.eqn.params["dimension_numbers"]
+    return len(lb) + len(lc)
+
+
+def _blocks(site: Site, left, right, ids: bool):
+    """``[B, *lengths, Kd, T, ...]`` -> ``[B, K, T', ...]``: xs levels (and the dot's batch) are blocks, const
+    levels are positions."""
+    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+    n = len(levels)
+    xs_axes = [1 + i for i, lv in enumerate(levels) if lv == "xs"]
+    const_axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
+    tail_l = 2 if not ids else 1
+    order_l = [0] + xs_axes + [1 + n] + const_axes + list(range(2 + n, left.ndim))
+    order_r = [0] + xs_axes + [1 + n] + const_axes + list(range(2 + n, right.ndim))
+    left = jnp.transpose(left, order_l)
+    right = jnp.transpose(right, order_r)
+    batch = left.shape[0]
+    k = math.prod(left.shape[1:2 + len(xs_axes)])
+    left = left.reshape((batch, k, -1) + left.shape[left.ndim - tail_l + 1:]) if not ids else left.reshape(batch, k, -1)
+    right = right.reshape(batch, k, -1, right.shape[-1])
+    return left, right
+
+
+def xs_lengths(site: Site) -> tuple[int, ...]:
+    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+    return tuple(n for n, lv in zip(site.lengths, levels) if lv == "xs")
+
+
+def to_leaf(site: Site, blocks, leaf, factored: Factored | None = None):
+    """``[K, rows, cols]`` (canonical blocks of the view; ``[K, cols, rows]`` for ``factored.swapped``) -> the
+    leaf's shape (float32)."""
+    canonical, perm = _canonical(site)
+    xs = xs_lengths(site)
+    inverse = np.argsort(perm)
+    slice_shape = leaf.shape[len(xs):]
+
+    if getattr(factored, "swapped", False):
+        blocks = jnp.swapaxes(blocks, -1, -2)
+
+    def one(block, leaf_slice):
+        view_grad = jnp.transpose(block.reshape(canonical), inverse)
+        _, pullback = jax.vjp(lambda base: replay_chain(site, base, skip_casts=True).astype(jnp.float32),
+                              leaf_slice.astype(jnp.float32))
+        return pullback(view_grad.astype(jnp.float32))[0]
+
+    # The dot's own batch dimensions are leading axes of the canonical layout: they fold back in.
+    stacked = blocks.reshape(xs + canonical)
+    out = _vmap_n(lambda b, lf: one(b, lf), len(xs), 0)(stacked, jnp.zeros(leaf.shape, jnp.float32))
+    return out.reshape(leaf.shape) if not xs else out.reshape(xs + slice_shape)
+
+
+def _canonical(site: Site):
+    if site.kind == "gather":
+        shape = tuple(site.eqn.invars[0].aval.shape)
+        return shape, tuple(range(len(shape)))
+    eqn = site.eqn
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    p = site.param_operand
+    w_shape = tuple(eqn.invars[p].aval.shape)
+    c_w, b_w = (rc, rb) if p == 1 else (lc, lb)
+    f_w = [i for i in range(len(w_shape)) if i not in c_w and i not in b_w]
+    perm = tuple(b_w) + tuple(c_w) + tuple(f_w)
+    return tuple(w_shape[i] for i in perm), perm
+
+
+def local_grad(site: Site, operands, g, leaf):
+    """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site."""
+    eqn = site.eqn
+    p = site.param_operand
+    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+
+    def one(ops, g_, leaf_slice):
+        def through(base):
+            w = replay_chain(site, base)
+            invals, k = [], 0
+            for i, v in enumerate(eqn.invars):
+                if i == p:
+                    invals.append(w)
+                elif i in site.recorded:
+                    invals.append(ops[k])
+                    k += 1
+                else:
+                    invals.append(v.val)
+            return bind(eqn, invals)[0]
+
+        _, pullback = jax.vjp(through, leaf_slice)
+        return pullback(g_.astype(site.out_aval.dtype))[0].astype(jnp.float32)
+
+    fn = one
+    for level in reversed(levels):
+        fn = jax.vmap(fn, in_axes=(0, 0, 0 if level == "xs" else None))
+    fn = jax.vmap(fn, in_axes=(0, 0, None))
+    out = fn(list(operands), g, leaf)
+    # const levels were vmapped with an unbatched leaf: their axes are iterations to sum.
+    axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
+    return jnp.sum(out, axis=tuple(axes)) if axes else out
+
+
+def instantiate(site: Site, f: Factored, leaf):
+    """``[B, *leaf.shape]`` per-example gradient of a dot/gather site (for leaves that mix site kinds)."""
+    if f.left_is_ids:
+        batch, k = f.right.shape[:2]
+        dense = jnp.zeros((batch, k, f.rows, f.right.shape[-1]), jnp.float32)
+        b_idx = jnp.arange(batch)[:, None, None]
+        k_idx = jnp.arange(k)[None, :, None]
+        dense = dense.at[b_idx, k_idx, f.left].add(f.right.astype(jnp.float32))
+    else:
+        dense = jnp.einsum("bktr,bktc->bkrc", f.left, f.right, preferred_element_type=jnp.float32)
+    return jax.vmap(lambda blocks: to_leaf(site, blocks, leaf, f))(dense)
