@@ -1,0 +1,226 @@
+"""The traced-program front-end against ``vmap(grad)``: models written with standard libraries only.
+
+Flax NNX (Linear, LinearGeneral, Einsum, Embed with a tied ``attend`` head, LayerNorm, RMSNorm, Conv, GroupNorm,
+MultiHeadAttention), flax.linen (Dense, DenseGeneral, Conv, Embed, LayerNorm, ``nn.scan`` over ``nn.remat``
+blocks) and plain JAX (a bare class token, an added position table, a layer scale, ``x.reshape(-1, d) @ W``, a
+parameter inside ``lax.cond``, a product of two parameters). Norms rtol 1e-5, clipped gradients rtol 1e-4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from flax import nnx
+from helpers import B, Setup, check_private, gpt2, private_fn
+
+import dpzero_jax as dz
+from dpzero_jax.program import mode as program_mode
+
+VOCAB, T, D = 19, 6, 8
+
+
+def token_batch(seed: int):
+    rng = np.random.default_rng(seed)
+    return {"ids": jnp.asarray(rng.integers(0, VOCAB, (B, T)), jnp.int32),
+            "y": jnp.asarray(rng.integers(0, VOCAB, (B, T)), jnp.int32)}
+
+
+def token_loss(logits, y):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, y[..., None], -1)[..., 0], axis=-1)
+
+
+class NNXZoo(nnx.Module):
+    def __init__(self, rngs, dtype=None):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs, dtype=dtype)
+        self.position = nnx.Param(0.1 * jax.random.normal(jax.random.key(7), (T, D)))
+        self.ln = nnx.LayerNorm(D, rngs=rngs, dtype=dtype)
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False, rngs=rngs, dtype=dtype,
+                                           use_bias=False)  # a key bias has a zero gradient (softmax shift)
+        self.rms = nnx.RMSNorm(D, rngs=rngs, dtype=dtype)
+        self.up = nnx.LinearGeneral(D, (2, D), rngs=rngs, dtype=dtype)
+        self.mix = nnx.Einsum("bthd,hde->bte", (2, D, D), (D,), rngs=rngs, dtype=dtype)
+        self.conv = nnx.Conv(D, D, kernel_size=(3,), rngs=rngs, dtype=dtype)
+        self.gn = nnx.GroupNorm(D, num_groups=2, rngs=rngs, dtype=dtype)
+        self.out = nnx.Linear(D, D, rngs=rngs, dtype=dtype)
+
+    def __call__(self, ids):
+        h = self.embed(ids) + self.position[...]
+        h = h + self.attn(self.ln(h))
+        h = h + self.mix(jax.nn.gelu(self.up(self.rms(h))))
+        h = h + self.out(jax.nn.relu(self.gn(self.conv(h))))
+        return self.embed.attend(h)
+
+
+def nnx_setup(dtype=None) -> Setup:
+    model = NNXZoo(nnx.Rngs(0), dtype=dtype)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_fn(params, batch):
+        return token_loss(nnx.merge(graphdef, params)(batch["ids"]), batch["y"])
+
+    return Setup("nnx-zoo", params, loss_fn, token_batch(1), ())
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        y = nn.LayerNorm()(h)
+        y = nn.DenseGeneral((2, D // 2))(y).reshape(h.shape)
+        y = nn.Conv(D, kernel_size=(3,))(jax.nn.gelu(y))
+        return h + nn.Dense(D)(y), None
+
+
+class LinenScanned(nn.Module):
+    layers: int = 3
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(VOCAB, D)
+        h = embed(ids)
+        blocks = nn.scan(nn.remat(LinenBlock), variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=self.layers)
+        h, _ = blocks()(h, None)
+        return embed.attend(nn.LayerNorm()(h))
+
+
+def linen_setup(layers: int = 3) -> Setup:
+    model = LinenScanned(layers)
+    batch = token_batch(2)
+    params = ref.jit(model.init)(jax.random.key(1), batch["ids"])["params"]
+
+    def loss_fn(params, batch):
+        return token_loss(model.apply({"params": params}, batch["ids"]), batch["y"])
+
+    return Setup("linen-scan", params, loss_fn, batch, ())
+
+
+def plain_setup() -> Setup:
+    keys = jax.random.split(jax.random.key(5), 6)
+    params = {"cls": jax.random.normal(keys[0], (1, D)), "position": 0.1 * jax.random.normal(keys[1], (T + 1, D)),
+              "layer_scale": jnp.full((D,), 0.5), "w": jax.random.normal(keys[2], (D, D)) / 3,
+              "lora_a": jax.random.normal(keys[3], (D, 2)), "lora_b": 0.1 * jax.random.normal(keys[4], (2, D)),
+              "head": jax.random.normal(keys[5], (D, 3)), "gate": jnp.asarray(0.3)}
+    rng = np.random.default_rng(3)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, batch):
+        x = batch["x"]
+        n = x.shape[0]
+        h = jnp.concatenate([jnp.broadcast_to(p["cls"][None], (n, 1, D)), x], axis=1) + p["position"]
+        h = (h.reshape(-1, D) @ p["w"]).reshape(n, T + 1, D) * p["layer_scale"]
+        h = h + h @ (p["lora_a"] @ p["lora_b"])
+        h = jax.lax.cond(True, lambda z: jnp.tanh(z * p["gate"]), lambda z: z, h)
+        logits = h[:, 0] @ p["head"]
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1)[:, 0]
+
+    return Setup("plain", params, loss_fn, batch, ())
+
+
+SETUPS = {"nnx": functools.cache(nnx_setup), "linen": functools.cache(linen_setup),
+          "plain": functools.cache(plain_setup)}
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+@pytest.mark.parametrize("mode, clip_fn, groups, microbatch", [
+    ("bk", "abadi", "all-layer", None), ("auto", "automatic", "layer-wise", None), ("bk", "global", "param-wise", 2)])
+def test_program_front_end_matches_vmap_grad(name, mode, clip_fn, groups, microbatch):
+    check_private(SETUPS[name](), clip_fn=clip_fn, groups=groups, mode=mode, microbatch_size=microbatch, floor=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_masks_and_a_nan_example(name):
+    setup = SETUPS[name]()
+    key = "ids" if "ids" in setup.batch else "x"
+    batch = dict(setup.batch)
+    if key == "x":
+        batch["x"] = batch["x"].at[3, 0, 0].set(jnp.nan)
+        poisoned = Setup(setup.name, setup.params, setup.loss_fn, batch, ())
+    else:  # ids cannot carry a NaN: the example brings a NaN term into its own loss instead
+        batch["poison"] = jnp.zeros((B,), jnp.float32).at[3].set(jnp.nan)
+
+        def loss_fn(params, b, inner=setup.loss_fn):
+            return inner(params, {k: v for k, v in b.items() if k != "poison"}) + b["poison"]
+        poisoned = Setup(setup.name, setup.params, loss_fn, batch, ())
+    mask = np.array([True, False, True, True, True])
+    include = mask & (np.arange(B) != 3)
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="bk", groups="param-wise")
+    _, grads, stats = private_fn(poisoned.loss_fn, cfg)(poisoned.params, poisoned.batch, jax.random.key(0), mask)
+    assert int(stats.num_nonfinite) == 1 and int(stats.num_included) == 3
+    clean = {p: np.where(include.reshape((-1,) + (1,) * (g.ndim - 1)), np.nan_to_num(g), 0.0)
+             for p, g in setup.grads.items()} if key == "x" else setup.grads
+    expected, _, _ = ref.private_grads(clean, "param-wise", "abadi", max_grad_norm=1.0, include=include)
+    for path, value in ref.flat(grads).items():
+        assert np.all(np.isfinite(value)), path
+        np.testing.assert_allclose(value, expected[path], rtol=1e-4, atol=1e-7 * np.max(np.abs(expected[path])),
+                                   err_msg=path)
+
+
+def test_tied_embedding_is_factored_with_its_cross_term():
+    setup = SETUPS["nnx"]()
+    cfg = dz.DPConfig(mode="bk")
+    plan = program_mode.plan_program(setup.loss_fn, cfg, setup.params, setup.batch,
+                                     dz.engine.leaf_paths(setup.params), B)
+    rows = {r["path"]: r for r in program_mode.explain(plan, setup.params, cfg)}
+    assert rows["embed/embedding"]["rule"] == "dot+gather"
+    assert rows["conv/kernel"]["rule"] == "local" and rows["attn/query/kernel"]["rule"] == "dot"
+    assert not plan.analysis.fallback
+    plain = program_mode.plan_program(SETUPS["plain"]().loss_fn, cfg, SETUPS["plain"]().params,
+                                      SETUPS["plain"]().batch, dz.engine.leaf_paths(SETUPS["plain"]().params), B)
+    why = {r["path"]: (r["rule"], r["why"]) for r in program_mode.explain(plain, SETUPS["plain"]().params, cfg)}
+    assert why["gate"][0] == "fallback" and "cond" in why["gate"][1]
+    assert why["lora_a"][0] == "fallback" and why["w"][0] == "dot" and why["cls"][0] == "local"
+
+
+def _count(jaxpr, name: str) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == name
+        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+            total += _count(sub, name)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                total += _count(inner, name)
+    return total
+
+
+def test_scan_stays_a_scan():
+    """The private gradient's program does not grow with the number of scanned layers."""
+    counts = {}
+    for layers in (2, 5):
+        setup = linen_setup(layers)
+        cfg = dz.DPConfig(noise_multiplier=1.0, mode="bk")
+        jaxpr = jax.make_jaxpr(dz.private_value_and_grad(setup.loss_fn, cfg))(setup.params, setup.batch,
+                                                                               jax.random.key(0))
+        counts[layers] = (_count(jaxpr.jaxpr, "dot_general"), _count(jaxpr.jaxpr, "scan"),
+                          _count(jaxpr.jaxpr, "remat2") + _count(jaxpr.jaxpr, "checkpoint"))
+    assert counts[2] == counts[5]
+    assert counts[2][1] >= 1 and counts[2][2] >= 1
+
+
+def test_bundled_gpt2_through_the_program_front_end():
+    """The bundled model's DP layers are plain JAX to the program front-end: the same gradient."""
+    check_private(gpt2(True), clip_fn="abadi", groups="layer-wise", mode="bk", front_end="program")
+
+
+def test_bf16_compute_matches_vmap_grad_of_the_same_program():
+    setup = nnx_setup(jnp.bfloat16)
+    check_private(setup, clip_fn="abadi", groups="all-layer", mode="bk", rtol=3e-2, norm_rtol=2e-2, floor=3e-2)
+
+
+def test_layer_only_modes_name_the_way_out():
+    setup = SETUPS["nnx"]()
+    for mode in ("ghost", "fused"):
+        with pytest.raises(dz.UnsupportedParameterError, match="mode='bk'"):
+            dz.private_value_and_grad(setup.loss_fn, dz.DPConfig(mode=mode))(setup.params, setup.batch,
+                                                                             jax.random.key(0))
+    with pytest.raises(ValueError, match="front_end"):
+        dz.DPConfig(front_end="nope")
