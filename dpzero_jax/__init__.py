@@ -21,6 +21,7 @@ _ATTRIBUTES = {
     "autotune": "engine",
     "choose_mode": "engine",
     "clipped_grad": "optax_dp",
+    "explain_plan": "explain",
     "gaussian_privatizer": "optax_dp",
     "make_plan": "engine",
     "nnx_private_step": "optax_dp",
@@ -32,7 +33,7 @@ _SUBMODULES = (
     "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
-_OTHER_SUBMODULES = ("cli", "config", "data", "engine", "optax_dp", "tape")
+_OTHER_SUBMODULES = ("cli", "config", "data", "engine", "explain", "optax_dp", "program", "tape")
 
 __all__ = [*_ATTRIBUTES, *_SUBMODULES]
 
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         config,
         data,
         engine,
+        explain,
         hf,
         models,
         nn,
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         peft,
         pergrad,
         planner,
+        program,
         rmm,
         rmm_diagnostics,
         rules,
@@ -80,6 +83,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         train,
     )
     from dpzero_jax.config import DPConfig  # noqa: F401
+    from dpzero_jax.explain import explain_plan  # noqa: F401
     from dpzero_jax.engine import (  # noqa: F401
         DPStats,
         UnsupportedParameterError,

@@ -224,3 +224,18 @@ def test_layer_only_modes_name_the_way_out():
                                                                              jax.random.key(0))
     with pytest.raises(ValueError, match="front_end"):
         dz.DPConfig(front_end="nope")
+
+
+def test_explain_plan_for_both_front_ends():
+    setup = SETUPS["plain"]()
+    report = dz.explain_plan(setup.loss_fn, dz.DPConfig(), setup.params, setup.batch)
+    assert report.front_end == "program" and report.mode == "bk"
+    rows = {r["path"]: r for r in report.rows}
+    assert rows["gate"]["method"] == "fallback" and rows["w"]["rule"] == "dot"
+    assert rows["cls"]["per_example_bytes"] == 4 * D
+    text = str(report)
+    assert "front end: program" in text and "lora_b" in text and "cond" in text
+    bundled = gpt2(True)
+    layers = dz.explain_plan(bundled.loss_fn, dz.DPConfig(), bundled.params, bundled.batch)
+    assert layers.front_end == "layers" and layers.mode == "bk"
+    assert {r["path"]: r["rule"] for r in layers.rows}["wte/embedding"] == "embed+linear"

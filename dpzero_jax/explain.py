@@ -1,0 +1,86 @@
+"""What the engine will do with a model, per parameter, before any training: :func:`explain_plan`.
+
+    report = dz.explain_plan(loss_fn, cfg, params, batch)
+    print(report)            # a table: path, rule, method, per-example bytes, group
+    report.rows              # the same as dicts
+
+Rows: ``rule`` -- how the parameter's uses were recognised (layers front-end: the ``dpzero_jax`` layer rule;
+program front-end: ``dot`` / ``gather`` / ``local`` sites, or ``fallback``); ``method`` -- ``ghost`` (Gram form,
+``[T, T]`` per example), ``instantiate`` (the per-example gradient, the parameter's size per example),
+``direct`` (a small per-example gradient by its rule) or ``fallback`` (autodiff per example); ``per_example_bytes``
+-- float32 bytes per example the norm needs; ``why`` -- for a fallback, what in the program caused it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from dpzero_jax import engine
+from dpzero_jax.config import DPConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    front_end: str
+    mode: str
+    rows: tuple[dict, ...]
+
+    def table(self) -> str:
+        columns = ("path", "rule", "method", "per_example_bytes", "group", "why")
+        cells = [columns] + [tuple(str(row[c]) for c in columns) for row in self.rows]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+        lines = [f"front end: {self.front_end}, mode: {self.mode}"]
+        for k, line in enumerate(cells):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
+    sizes = {path: math.prod(np.shape(leaf)) for path, leaf in zip(plan.paths, jax.tree.leaves(params))}
+    by_index = {r.index: r for r in plan.records}
+    rows = []
+    for path in plan.paths:
+        uses = plan.uses.get(path, ())
+        rules = sorted({by_index[i].rule.name for i, _ in uses})
+        if not uses:
+            rule, method, nbytes = "unused", "-", 0
+        elif set(rules) <= {"linear", "embed", "rmm_linear"} and any(name in ("kernel", "table") for _, name in uses):
+            positions = sum(math.prod(by_index[i].input_shape[1:-1]) for i, _ in uses)
+            ghost = cfg.norm_method == "ghost" or (cfg.norm_method != "instantiate"
+                                                   and 2 * positions ** 2 < sizes[path])
+            rule, method = "+".join(rules), "ghost" if ghost else "instantiate"
+            nbytes = 4 * (positions ** 2 if ghost else sizes[path])
+        else:
+            rule, method, nbytes = "+".join(rules), "direct", 4 * sizes[path]
+        rows.append({"path": path, "rule": rule, "method": method, "per_example_bytes": int(nbytes),
+                     "group": plan.group_names[plan.group_of[path]], "why": ""})
+    return rows
+
+
+def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
+    """Plan ``loss_fn(params, batch) -> [B]`` as the private gradient would (abstractly: nothing is computed) and
+    report, per trainable parameter, how its per-example gradient and norm are obtained."""
+    if not isinstance(cfg, DPConfig):
+        raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
+    plan = engine.make_plan(loss_fn, cfg, params, batch, require_supported=False)
+    if cfg.mode == "vmap":
+        rows = [{"path": p, "rule": "vmap", "method": "instantiate", "per_example_bytes": 4 * math.prod(np.shape(x)),
+                 "group": plan.group_names[plan.group_of[p]], "why": ""}
+                for p, x in zip(plan.paths, jax.tree.leaves(params))]
+        return PlanReport("layers", "vmap", tuple(rows))
+    front_end = engine._front_end(cfg, plan, None)
+    if front_end == "program":
+        from dpzero_jax.program import mode as program_mode
+
+        program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
+        return PlanReport("program", "bk", tuple(program_mode.explain(program_plan, params, cfg)))
+    return PlanReport("layers", engine.choose_mode(cfg, plan).mode, tuple(_layer_rows(plan, params, cfg)))
