@@ -83,7 +83,6 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         train,
     )
     from dpzero_jax.config import DPConfig  # noqa: F401
-    from dpzero_jax.explain import explain_plan  # noqa: F401
     from dpzero_jax.engine import (  # noqa: F401
         DPStats,
         UnsupportedParameterError,
@@ -93,6 +92,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         per_example_grad_norms,
         private_value_and_grad,
     )
+    from dpzero_jax.explain import explain_plan  # noqa: F401
     from dpzero_jax.optax_dp import (  # noqa: F401
         ClippedGrad,
         GaussianPrivatizerState,

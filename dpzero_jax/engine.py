@@ -486,12 +486,12 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
                 "DPConfig.front_end='layers'. Use front_end='auto' or 'program' (any JAX model, mode 'bk' or "
                 "'auto'), build the model from dpzero_jax layers, or use mode='vmap'.")
         return "layers"
-    if cfg.mode in ("ghost", "fused"):
+    if cfg.mode == "fused":
         which = f"trainable parameters {list(plan.outside)} are used outside dpzero_jax layers" if plan.outside \
             else "front_end='program' was asked for"
         raise UnsupportedParameterError(
-            f"mode={cfg.mode!r} runs on dpzero_jax layers only, and {which}. The traced-program front-end runs "
-            "mode='bk' (or 'auto'), which gives the same clipped gradient; mode='vmap' works for any model.")
+            f"mode='fused' runs on dpzero_jax layers only, and {which}. The traced-program front-end runs "
+            "mode='bk', 'ghost' or 'auto', which give the same clipped gradient; mode='vmap' works for any model.")
     if layout is not None:
         raise UnsupportedParameterError(
             "gathering ZeRO-3 shards layer by layer needs dpzero_jax layers, and trainable parameters "
@@ -501,9 +501,12 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
 
 
 def _program_clip(cfg: DPConfig, plan, params, batch, mask) -> _Clipped:
-    """Book-keeping on the traced program (:mod:`dpzero_jax.program`), ``microbatch_size`` at a time."""
+    """Book-keeping or ghost clipping on the traced program (:mod:`dpzero_jax.program`), ``microbatch_size`` at a
+    time."""
+    from dpzero_jax.program import ghost as program_ghost
     from dpzero_jax.program import mode as program_mode
 
+    run = program_ghost.program_ghost if cfg.mode == "ghost" else program_mode.program_bk
     chunk = cfg.microbatch_size or plan.batch_size
     leaves = jax.tree.leaves(params)
 
@@ -512,12 +515,12 @@ def _program_clip(cfg: DPConfig, plan, params, batch, mask) -> _Clipped:
                                   [g.astype(leaf.dtype) for g, leaf in zip(jax.tree.leaves(grads), leaves)])
 
     if chunk >= plan.batch_size:
-        losses, grads, norms, coef = program_mode.program_bk(cfg, plan, params, batch, mask)
+        losses, grads, norms, coef = run(cfg, plan, params, batch, mask)
         return _Clipped(losses, cast(grads), norms, coef)
     chunks, chunk_mask, unsplit = _microbatches(batch, mask, chunk)
 
     def step(acc, inputs):
-        losses, grads, norms, coef = program_mode.program_bk(cfg, plan, params, *inputs)
+        losses, grads, norms, coef = run(cfg, plan, params, *inputs)
         return jax.tree.map(jnp.add, acc, grads), (losses, norms, coef)
 
     init = jax.tree.map(lambda leaf: jnp.zeros(np.shape(leaf), jnp.float32), params)
@@ -533,7 +536,8 @@ def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=
     if _front_end(cfg, plan, layout) == "program":
         from dpzero_jax.program import mode as program_mode
 
-        concrete = cfg.replace(mode="bk", norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
+        concrete = cfg.replace(mode="ghost" if cfg.mode == "ghost" else "bk",
+                               norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
         program_plan = program_mode.plan_program(loss_fn, concrete, params, batch, plan.paths, plan.batch_size)
         return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask)
     concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))

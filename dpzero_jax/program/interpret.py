@@ -31,9 +31,19 @@ def _under(probes: dict, path: tuple) -> dict:
     return {p: v for p, v in probes.items() if p[:len(path)] == path and len(p) > len(path)}
 
 
-def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, path: tuple = ()) -> list:
-    """Evaluate ``jaxpr``; ``probes[site path]`` are added to the sites' outputs, ``records[site path]`` receives
-    the list of the site's recorded operands."""
+def add_probe(site, invals, probe, records: dict) -> list:
+    """Book-keeping's handling of a site: its output plus the zero probe; its data operands recorded."""
+    (out,) = bind(site.eqn, invals)
+    records[site.path] = [invals[i] for i in site.recorded]
+    return [out + probe.astype(out.dtype)]
+
+
+def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, path: tuple = (),
+        handler=add_probe) -> list:
+    """Evaluate ``jaxpr``. At a site, ``handler(site, operand values, probes[site path], records)`` gives the outputs
+    (default :func:`add_probe`: the probe added to the output, ``records[site path]`` the recorded operands).
+    ``probes`` holds one input per site (a probe, a sink, a scale: whatever the handler takes), stacked over the
+    iterations of the enclosing scans."""
     env = {}
 
     def read(v):
@@ -48,11 +58,9 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
         invals = [read(v) for v in eqn.invars]
         site = analysis.sites.get(here)
         if site is not None:
-            (out,) = bind(eqn, invals)
-            outs = [out + probes[here].astype(out.dtype)]
-            records[here] = [invals[i] for i in site.recorded]
+            outs = handler(site, invals, probes[here], records)
         elif here in analysis.containers:
-            outs = _enter(eqn, invals, analysis, _under(probes, here), records, here)
+            outs = _enter(eqn, invals, analysis, _under(probes, here), records, here, handler)
         else:
             outs = bind(eqn, invals)
         for var, value in zip(eqn.outvars, outs):
@@ -61,15 +69,15 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
     return [read(v) for v in jaxpr.outvars]
 
 
-def _enter(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tuple) -> list:
+def _enter(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tuple, handler) -> list:
     name = eqn.primitive.name
     if name == "scan":
-        return _scan(eqn, invals, analysis, probes, records, here)
+        return _scan(eqn, invals, analysis, probes, records, here, handler)
     sub, consts = _sub_jaxpr(eqn)
     if name in ("remat2", "checkpoint"):
         def body(args, sub_probes):
             inner: dict = {}
-            outs = run(sub, consts, args, analysis, sub_probes, inner, here)
+            outs = run(sub, consts, args, analysis, sub_probes, inner, here, handler)
             return outs, inner
 
         rematerialised = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
@@ -77,10 +85,10 @@ def _enter(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: t
         outs, inner = rematerialised(invals, probes)
         records.update(inner)
         return outs
-    return run(sub, consts, invals, analysis, probes, records, here)
+    return run(sub, consts, invals, analysis, probes, records, here, handler)
 
 
-def _scan(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tuple) -> list:
+def _scan(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tuple, handler) -> list:
     params = eqn.params
     body = params["jaxpr"]
     n_consts, n_carry = params["num_consts"], params["num_carry"]
@@ -90,7 +98,7 @@ def _scan(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tu
         x_slices, probe_slices = scanned
         inner: dict = {}
         outs = run(body.jaxpr, body.consts, list(consts) + list(carry) + list(x_slices), analysis, probe_slices,
-                   inner, here)
+                   inner, here, handler)
         return outs[:n_carry], (outs[n_carry:], inner)
 
     carry_out, (ys, inner) = jax.lax.scan(step, list(carry), (list(xs), probes), length=params["length"],

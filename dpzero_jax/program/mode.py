@@ -30,7 +30,7 @@ import numpy as np
 from dpzero_jax import clipping, pergrad
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
-from dpzero_jax.program.interpret import run
+from dpzero_jax.program.interpret import add_probe, run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,21 +90,27 @@ def _kind_leaves(kind) -> set:
     return set(getattr(kind, "leaves", ()))
 
 
-def _pass(plan: ProgramPlan, leaves, batch_leaves):
-    """The probed forward and one VJP, per example: ``(losses [B], records, probe cotangents, fallback grads)``."""
+def zero_probe(site):
+    """Book-keeping's per-site input: a zero of the site's output shape (stacked over enclosing scans)."""
+    return jnp.zeros(tuple(site.lengths) + tuple(site.out_aval.shape), site.out_aval.dtype)
+
+
+def _pass(plan: ProgramPlan, leaves, batch_leaves, handler=add_probe, site_input=zero_probe):
+    """The probed forward and one VJP, per example: ``(losses [B], records, site-input cotangents, fallback
+    grads)``. ``handler`` / ``site_input``: what each site does and takes (default: book-keeping's probe)."""
     analysis = plan.analysis
     fallback = sorted(analysis.fallback)
 
     def per_example(leaves, example):
-        probes = {path: jnp.zeros(tuple(site.lengths) + tuple(site.out_aval.shape), site.out_aval.dtype)
-                  for path, site in analysis.sites.items()}
+        probes = {path: site_input(site) for path, site in analysis.sites.items()}
 
         def forward(probes, fallback_values):
             values = list(leaves)
             for i, v in zip(fallback, fallback_values):
                 values[i] = v
             records: dict = {}
-            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, probes, records)
+            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, probes, records,
+                          handler=handler)
             return loss, records
 
         loss, pullback, records = jax.vjp(forward, probes, [leaves[i] for i in fallback], has_aux=True)
@@ -114,13 +120,15 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves):
     return jax.vmap(per_example, in_axes=(None, 0))(list(leaves), list(batch_leaves))
 
 
-def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct):
-    """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}``."""
+def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None):
+    """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}`` for the fallback leaves and the leaves
+    whose sites were captured (all, or those in ``captured``)."""
     fallback = sorted(plan.analysis.fallback)
     terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32)) for i, g in zip(fallback, fallback_ct)}
     by_leaf: dict[int, list] = {}
     for _, site in sorted(plan.analysis.sites.items(), key=lambda item: item[0]):
-        by_leaf.setdefault(site.view.leaf, []).append(site)
+        if captured is None or site.view.leaf in captured:
+            by_leaf.setdefault(site.view.leaf, []).append(site)
     for leaf, leaf_sites in by_leaf.items():
         factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path]))
                     for s in leaf_sites if s.kind != "local"]
@@ -178,13 +186,8 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int):
     return sq, clipped
 
 
-def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
-    """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])`` on one (micro)batch."""
-    leaves, treedef = jax.tree.flatten(params)
-    batch_leaves = jax.tree.leaves(batch)
-    size = batch_leaves[0].shape[0]
-    losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves)
-    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct)
+def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int):
+    """``({leaf: sq [B]}, {leaf: coef [B] -> clipped sum (leaf shape, float32)})`` from :func:`_leaf_terms`."""
     sq, summers = {}, {}
     for leaf, (form, value) in terms.items():
         if form == "direct":
@@ -195,12 +198,28 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
             site, first = value[0]
             summers[leaf] = (lambda c, s, f, lf: lambda coef: sites_lib.to_leaf(s, c(coef), lf, f))(
                 clipped, site, first, leaves[leaf])
+    return sq, summers
+
+
+def coefficients(cfg, plan: ProgramPlan, sq: dict, losses, mask, size: int):
+    """``(norms [B, M], coef [B, M])`` from ``{leaf: sq [B]}``."""
     group_sq = jnp.zeros((size, len(plan.group_names)), jnp.float32)
     for leaf, value in sq.items():
         group_sq = group_sq.at[:, plan.group_of[plan.paths[leaf]]].add(value)
     norms = jnp.sqrt(group_sq)
     keep = jnp.logical_and(mask, jnp.isfinite(losses))
-    coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), keep, cfg.clip_fn, cfg.gamma)
+    return norms, clipping.coefficients(norms, jnp.asarray(plan.thresholds), keep, cfg.clip_fn, cfg.gamma)
+
+
+def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
+    """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])`` on one (micro)batch."""
+    leaves, treedef = jax.tree.flatten(params)
+    batch_leaves = jax.tree.leaves(batch)
+    size = batch_leaves[0].shape[0]
+    losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves)
+    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct)
+    sq, summers = norms_and_summers(cfg, plan, leaves, terms, size)
+    norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
     out = []
     for i, leaf in enumerate(leaves):
         if i in summers:
