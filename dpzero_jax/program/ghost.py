@@ -186,8 +186,10 @@ def program_ghost(cfg, plan, params, batch, mask):
     norms, coef = bk.coefficients(cfg, plan, sq, losses, mask, size)
 
     differentiated = sorted(ghost_leaves)
-    scales = {path: jnp.broadcast_to(coef[:, plan.group_of[plan.paths[site.view.leaf]]].reshape(
-        (size,) + (1,) * len(site.lengths)), (size,) + tuple(site.lengths)) for path, site in plan.analysis.sites.items()}
+    scales = {}
+    for path, site in plan.analysis.sites.items():
+        column = coef[:, plan.group_of[plan.paths[site.view.leaf]]].reshape((size,) + (1,) * len(site.lengths))
+        scales[path] = jnp.broadcast_to(column, (size,) + tuple(site.lengths))
     frozen = [jax.lax.stop_gradient(leaf) for leaf in leaves]
 
     def summed_losses(trained):

@@ -1,0 +1,173 @@
+"""Depth: compile time, step time and compiled memory of the private gradient of scanned (and unrolled) decoders.
+
+The model is a GPT-2-style decoder written with flax.linen's standard layers (``nn.Embed`` with a tied head,
+``nn.LayerNorm``, ``nn.DenseGeneral`` attention projections, ``nn.Dense`` MLP), its blocks either scanned
+(``nn.scan``, optionally ``nn.remat`` around each block) or unrolled (a Python loop). The private gradient is
+``dz.private_value_and_grad`` with ``mode="auto"``: these models use no ``dpzero_jax`` layer, so the traced-program
+front-end plans it (book-keeping on the program; scans stay scans).
+
+Per depth ``L`` and layout the script measures, in one process:
+
+* **compile**: ``jit(f).lower(args).compile()`` wall time (trace + planning + XLA), non-DP and DP, and the ratio;
+* **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round;
+* **memory** (``--remat`` rows): ``compiled.memory_analysis().temp_size_in_bytes`` of the DP step against the
+  non-DP step with the same ``nn.remat`` blocks.
+
+The non-DP step is ``jax.value_and_grad`` of the mean per-example loss. Targets from the issue (printed, stored):
+at ``L = 48`` scanned, compile ratio <= 1.5 and step ratio <= 1.05.
+
+Run::
+
+    python experiments/bench_depth.py                 # L = 12, 24, 48 scanned and unrolled, remat memory
+    python experiments/bench_depth.py --quick         # L = 2, 4 (a smoke test)
+
+Writes ``experiments/results/bench_depth_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import dpzero_jax as dz  # noqa: E402
+
+WIDTH, HEADS, SEQ, BATCH, VOCAB = 64, 4, 64, 4, 256
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _=None):
+        y = nn.LayerNorm()(h)
+        q, k, v = (nn.DenseGeneral((HEADS, WIDTH // HEADS), name=n)(y) for n in ("query", "key", "value"))
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        h = h + nn.DenseGeneral(WIDTH, axis=(-2, -1), name="out")(y)
+        y = nn.Dense(4 * WIDTH)(nn.LayerNorm()(h))
+        return h + nn.Dense(WIDTH)(jax.nn.gelu(y)), None
+
+
+class Decoder(nn.Module):
+    layers: int
+    scan: bool = True
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(VOCAB, WIDTH)
+        h = embed(ids) + self.param("position", nn.initializers.normal(0.02), (SEQ, WIDTH))
+        block = nn.remat(Block) if self.remat else Block
+        if self.scan:
+            h, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)()(h)
+        else:
+            for _ in range(self.layers):
+                h, _ = block()(h)
+        return embed.attend(nn.LayerNorm()(h))
+
+
+def setup(layers: int, scan: bool, remat: bool = False):
+    model = Decoder(layers, scan, remat)
+    rng = np.random.default_rng(0)
+    batch = {"ids": jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)}
+    params = jax.jit(model.init)(jax.random.key(0), batch["ids"])["params"]
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["ids"])[:, :-1]
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["ids"][:, 1:, None], -1)[..., 0], axis=-1)
+
+    return params, batch, loss_fn
+
+
+def compiled_pair(params, batch, loss_fn):
+    nondp = jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(loss_fn(p, b))))
+    cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode="auto", expected_batch_size=BATCH)
+    private = jax.jit(dz.private_value_and_grad(loss_fn, cfg))
+    key = jax.random.key(1)
+    out = {}
+    for name, fn, args in (("nondp", nondp, (params, batch)), ("dp", private, (params, batch, key))):
+        start = time.perf_counter()
+        compiled = fn.lower(*args).compile()
+        out[name] = (compiled, args, time.perf_counter() - start)
+    return out
+
+
+def step_ratio(pair, rounds: int) -> tuple[float, float, float]:
+    """(median paired DP/non-DP ratio, median non-DP seconds, median DP seconds)."""
+    for compiled, args, _ in pair.values():
+        jax.block_until_ready(compiled(*args))
+    ratios, times = [], {"nondp": [], "dp": []}
+    for r in range(rounds):
+        order = ("nondp", "dp") if r % 2 == 0 else ("dp", "nondp")
+        this = {}
+        for name in order:
+            compiled, args, _ = pair[name]
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            this[name] = time.perf_counter() - start
+            times[name].append(this[name])
+        ratios.append(this["dp"] / this["nondp"])
+    return statistics.median(ratios), statistics.median(times["nondp"]), statistics.median(times["dp"])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[12, 24, 48])
+    parser.add_argument("--unrolled", type=int, nargs="*", default=None,
+                        help="depths to also run unrolled (default: the same as --depths)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="L = 2, 4 and 5 rounds (smoke test)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "bench_depth_cpu.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.depths, args.rounds = [2, 4], 5
+    unrolled = args.depths if args.unrolled is None else args.unrolled
+    rows = []
+    header = f"{'layout':<10} {'L':>3} {'compile non-DP s':>16} {'compile DP s':>12} {'x compile':>9} " \
+             f"{'step non-DP ms':>14} {'step DP ms':>10} {'x step':>7} {'temp non-DP MiB':>15} {'temp DP MiB':>11} " \
+             f"{'x temp':>7}"
+    print(f"backend {jax.default_backend()}, width {WIDTH}, T {SEQ}, B {BATCH}, vocab {VOCAB}, tied head")
+    print(header)
+    cases = [("scan", L, False) for L in args.depths] + [("scan+remat", L, True) for L in args.depths[:1]] + \
+        [("unrolled", L, False) for L in unrolled]
+    for layout, layers, remat in cases:
+        params, batch, loss_fn = setup(layers, scan=layout != "unrolled", remat=remat)
+        pair = compiled_pair(params, batch, loss_fn)
+        ratio, t_nondp, t_dp = step_ratio(pair, args.rounds)
+        mem = {name: pair[name][0].memory_analysis() for name in pair}
+        temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
+        row = {"layout": layout, "layers": layers, "compile_nondp_s": pair["nondp"][2], "compile_dp_s": pair["dp"][2],
+               "compile_ratio": pair["dp"][2] / pair["nondp"][2], "step_nondp_s": t_nondp, "step_dp_s": t_dp,
+               "step_ratio_paired": ratio, "temp_nondp_bytes": temp["nondp"], "temp_dp_bytes": temp["dp"],
+               "temp_ratio": temp["dp"] / max(temp["nondp"], 1)}
+        rows.append(row)
+        print(f"{layout:<10} {layers:>3} {row['compile_nondp_s']:>16.2f} {row['compile_dp_s']:>12.2f} "
+              f"{row['compile_ratio']:>9.2f} {1e3 * t_nondp:>14.1f} {1e3 * t_dp:>10.1f} {ratio:>7.3f} "
+              f"{temp['nondp'] / 2**20:>15.1f} {temp['dp'] / 2**20:>11.1f} {row['temp_ratio']:>7.2f}", flush=True)
+    deepest = max(args.depths)
+    target = [r for r in rows if r["layout"] == "scan" and r["layers"] == deepest]
+    targets = {}
+    if target:
+        targets = {f"scan L={deepest} compile <= 1.5x": target[0]["compile_ratio"] <= 1.5,
+                   f"scan L={deepest} step <= 1.05x": target[0]["step_ratio_paired"] <= 1.05}
+        for name, ok in targets.items():
+            print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"backend": jax.default_backend(), "width": WIDTH, "seq": SEQ, "batch": BATCH, "vocab": VOCAB,
+                   "rounds": args.rounds, "rows": rows, "targets": targets, "load_avg": os.getloadavg()}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
