@@ -63,3 +63,13 @@ def test_no_bare_kernels_imports_left():
                 offenders += [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for m in pattern.finditer(text)]
     assert not offenders, offenders
 
+
+def test_one_source_of_truth_for_dependencies():
+    assert not (ROOT / "setup.cfg").exists() and not (ROOT / "setup.py").exists()
+    assert not (ROOT / "requirements.txt").exists()
+    project = PYPROJECT["project"]
+    names = {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
+    assert "matplotlib" not in names                                  # the plot is optional: the `plot` extra
+    assert {"scikit-learn", "tqdm"} <= names                          # the default `dpzero train` needs both
+    assert any(r.startswith("matplotlib") for r in project["optional-dependencies"]["plot"])
+    assert "dpzero_jax[plot,hf]" in project["optional-dependencies"]["test"]
