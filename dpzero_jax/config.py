@@ -11,7 +11,7 @@ from typing import Any
 from dpzero_jax.clipping import CLIP_FUNCTIONS, validate_groups
 from dpzero_jax.noise import NOISE_RNGS
 from dpzero_jax.pergrad import NORM_METHODS
-from kernels.ghost_norm import NORM_KERNELS
+from dpzero_jax_kernels.ghost_norm import NORM_KERNELS
 
 MODES = ("auto", "bk", "ghost", "fused", "vmap")
 FRONT_ENDS = ("auto", "layers", "program")
@@ -33,8 +33,9 @@ class DPConfig:
         ``"ghost"`` or ``"instantiate"``.
     norm_kernel: how weight norms (and clipped sums) are computed: ``"xla"`` (einsums that build the ``[B, T, T]``
         Grams or the ``[B, rows, cols]`` per-example gradients), ``"pallas"`` (the tiled kernels of
-        ``kernels.ghost_norm``: neither buffer; the mixed rule then decides on operations) or ``"auto"`` (default:
-        currently ``"xla"`` on every backend -- the kernels are only interpreted on CPU and not yet timed on GPU/TPU).
+        ``dpzero_jax_kernels.ghost_norm``: neither buffer; the mixed rule then decides on operations) or ``"auto"``
+        (default: currently ``"xla"`` on every backend -- the kernels are only interpreted on CPU and not yet timed on
+        GPU/TPU).
     expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
     microbatch_size: examples per chunk in ``vmap`` and ``bk`` modes (``None``: the whole batch at once).
     gamma: the stability constant of automatic clipping.
@@ -86,7 +87,7 @@ class DPConfig:
             raise ValueError(f"DPConfig.noise_rng={self.noise_rng!r}: expected one of {NOISE_RNGS}")
         if self.norm_kernel not in NORM_KERNELS:
             raise ValueError(f"DPConfig.norm_kernel={self.norm_kernel!r}: expected one of {NORM_KERNELS} "
-                             "('pallas' runs the tiled Pallas kernels of kernels.ghost_norm)")
+                             "('pallas' runs the tiled Pallas kernels of dpzero_jax_kernels.ghost_norm)")
         validate_groups(self.groups)
         if self.expected_batch_size is not None:
             positive_number("expected_batch_size", self.expected_batch_size)

@@ -34,7 +34,7 @@ import numpy as np
 from dpzero_jax import clipping, noise, pergrad
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.config import DPConfig
-from kernels import ghost_norm
+from dpzero_jax_kernels import ghost_norm
 
 Array = jax.Array
 

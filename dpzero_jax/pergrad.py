@@ -17,8 +17,8 @@ All norms are accumulated in float32.
 
 ``kernel`` selects how the weight terms are computed: ``"xla"`` (the jnp forms below, which build the
 ``[B, T, T]`` Grams or the ``[B, rows, cols]`` gradients) or ``"pallas"`` (the tiled kernels of
-:mod:`kernels.ghost_norm`, which build neither). With ``"pallas"`` both forms cost ``O(tile^2)`` memory, so the
-mixed rule decides on operations alone (:func:`use_ghost`), and several uses of one weight are concatenated along
+:mod:`dpzero_jax_kernels.ghost_norm`, which build neither). With ``"pallas"`` both forms cost ``O(tile^2)`` memory, so
+the mixed rule decides on operations alone (:func:`use_ghost`), and several uses of one weight are concatenated along
 the positions (``sum_u L_u^T R_u = [L_1; L_2; ..]^T [R_1; R_2; ..]``) so that one kernel call covers every cross term.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels import ghost_norm
+from dpzero_jax_kernels import ghost_norm
 
 Array = jax.Array
 

@@ -16,7 +16,7 @@ Determinism and resuming
     skipped with a warning.
 
 Outputs under ``out``: ``metrics.jsonl`` (one JSON object per logged step), ``training.png`` (loss and epsilon vs
-step), ``summary.json``, ``checkpoints/``.
+step; needs matplotlib, the ``plot`` extra, else skipped with a notice), ``summary.json``, ``checkpoints/``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -1233,9 +1234,17 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 
 def _plot(history: list[dict], path: Path) -> None:
     """Loss and epsilon against the step, as a PNG: matplotlib's object API, so neither the global backend nor
-    pyplot's figure registry is touched (safe in notebooks and other users' processes)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    pyplot's figure registry is touched (safe in notebooks and other users' processes). matplotlib is optional (the
+    ``plot`` extra): without it the plot is skipped with a one-line notice on stderr."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "matplotlib":   # installed but broken: show the real error
+            raise
+        print(f"dpzero: {path} not written: matplotlib is not installed (pip install 'dpzero_jax[plot]')",
+              file=sys.stderr)
+        return
 
     steps = [r["step"] for r in history]
     fig = Figure(figsize=(10, 4))

@@ -16,7 +16,7 @@ returns the per-example losses and the replicated gradient):
 * ``fused``        the same with ``groups="layer-wise"`` (fused mode clips inside each layer: an all-layer group is
                    rejected), as in ``bench_overhead.py``;
 * ``bk_fastest``   ``bk`` with ``norm_method="fastest"``;
-* ``bk_pallas``    ``bk`` with ``norm_kernel="pallas"`` (the Mosaic TPU kernels of ``kernels.ghost_norm``);
+* ``bk_pallas``    ``bk`` with ``norm_kernel="pallas"`` (the Mosaic TPU kernels of ``dpzero_jax_kernels.ghost_norm``);
 * ``jax_privacy``  ``jax_privacy.clipping.clipped_grad`` (``vmap`` over the whole batch, ``keep_batch_dim=True``)
                    on ``sum(loss_fn(params, example))``, plus Gaussian noise on the clipped sum, divided by the batch;
 * ``optax``        ``optax.contrib.differentially_private_aggregate`` (its own noise) on
@@ -49,8 +49,8 @@ Ahead-of-time set-up (documented here because it is not obvious)
   with "Internal error when accessing libtpu multi-process lockfile"; ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` lifts it).
   Compiles are sequential anyway: a GPT-2 small DP step takes 2-6 minutes on a 2-core host.
 * The library picks Pallas kernels by ``jax.default_backend()``, which is ``cpu`` here: the script tells
-  ``kernels.ghost_norm`` that the target is ``tpu`` (otherwise the kernels would be *interpreted*, i.e. lowered as
-  ordinary XLA loops, not Mosaic kernels).
+  ``dpzero_jax_kernels.ghost_norm`` that the target is ``tpu`` (otherwise the kernels would be *interpreted*, i.e.
+  lowered as ordinary XLA loops, not Mosaic kernels).
 
 How to run
 ----------
@@ -300,8 +300,9 @@ def require_libtpu():
 
 def _target_tpu_kernels():
     """The library picks Pallas kernels by ``jax.default_backend()`` (``cpu`` on this host); the program is compiled
-    for TPU, so tell ``kernels.ghost_norm`` the target (else the kernels would be interpreted as XLA loops)."""
-    from kernels.ghost_norm import api
+    for TPU, so tell ``dpzero_jax_kernels.ghost_norm`` the target (else the kernels would be interpreted as XLA
+    loops)."""
+    from dpzero_jax_kernels.ghost_norm import api
 
     if getattr(api._family, "_bench_compiled_target", False):
         return

@@ -4,7 +4,7 @@ What is measured
 ----------------
 For one layer of width ``d`` (input) and ``p`` (output), ``B`` examples of ``T`` positions, bfloat16 activations
 ``a [B, T, d]`` and output gradients ``g [B, T, p]`` (and int ids ``[B, T]`` for the embedding form), four ops, each in
-its XLA form (what the engine runs with ``norm_kernel="xla"``) and through ``kernels.ghost_norm`` with
+its XLA form (what the engine runs with ``norm_kernel="xla"``) and through ``dpzero_jax_kernels.ghost_norm`` with
 ``implementation="pallas"``:
 
 * ``gram``          ghost norm ``<a a^T, g g^T>``; XLA builds two ``[B, T, T]`` float32 Grams;
@@ -54,8 +54,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dpzero_jax import pergrad  # noqa: E402
-from kernels import ghost_norm  # noqa: E402
-from kernels.ghost_norm import pallas_tpu, reference  # noqa: E402
+from dpzero_jax_kernels import ghost_norm  # noqa: E402
+from dpzero_jax_kernels.ghost_norm import pallas_tpu, reference  # noqa: E402
 
 MiB = 2 ** 20
 

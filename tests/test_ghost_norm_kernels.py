@@ -1,4 +1,5 @@
-"""The per-example norm kernels of ``kernels.ghost_norm`` against per-example gradients written out in float64 numpy.
+"""The per-example norm kernels of ``dpzero_jax_kernels.ghost_norm`` against per-example gradients written out in
+float64 numpy.
 
 Per example ``i`` the gradient is ``G_i = left_i^T right_i`` (``onehot(ids_i)^T right_i`` for embeddings, the one-hot
 built explicitly here); the expected squared norm is ``sum(G_i^2)``, the cross term ``sum(G_{u,i} * G_{v,i})``, the
@@ -20,8 +21,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import ghost_norm
-from kernels.ghost_norm import pallas_gpu, pallas_tpu
+from dpzero_jax_kernels import ghost_norm
+from dpzero_jax_kernels.ghost_norm import pallas_gpu, pallas_tpu
 
 BACKEND = jax.default_backend()
 TPU_INTERPRET = BACKEND != "tpu"

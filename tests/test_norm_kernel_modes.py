@@ -1,6 +1,7 @@
-"""The engine with ``norm_kernel="pallas"`` (the tiled kernels of ``kernels.ghost_norm``, interpreted on CPU) against
-per-example gradients from ``vmap(grad)``: every mode that computes norms from factored gradients, tied weights,
-microbatches, the flop-based mixed rule, and a kernel-backed engine inside ``jax.shard_map`` with the batch sharded."""
+"""The engine with ``norm_kernel="pallas"`` (the tiled kernels of ``dpzero_jax_kernels.ghost_norm``, interpreted on
+CPU) against per-example gradients from ``vmap(grad)``: every mode that computes norms from factored gradients, tied
+weights, microbatches, the flop-based mixed rule, and a kernel-backed engine inside ``jax.shard_map`` with the batch
+sharded."""
 
 from __future__ import annotations
 

@@ -31,3 +31,14 @@ def test_plot_leaves_the_global_backend_alone(tmp_path):
     assert report["shape"] == [400, 1000, 4]                 # 10 x 4 inches at 100 dpi
     assert 0.001 < report["ink"] < 0.5                       # axes and curves were drawn
     assert (tmp_path / "nodp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_skipped_with_a_notice(tmp_path, monkeypatch, capsys):
+    from dpzero_jax.train import _plot
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)   # import matplotlib... raises ModuleNotFoundError
+    _plot([{"step": 1, "loss": 1.0, "epsilon": 0.5}], tmp_path / "training.png")
+    assert not (tmp_path / "training.png").exists()
+    notice = capsys.readouterr().err.strip()
+    assert len(notice.splitlines()) == 1 and "matplotlib is not installed" in notice and "[plot]" in notice

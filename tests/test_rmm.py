@@ -266,7 +266,7 @@ def test_engine_clips_the_per_example_estimates(mode, norm_method, groups, extra
 
 @pytest.mark.parametrize("mode,groups", [("bk", "all-layer"), ("ghost", "layer-wise"), ("fused", "layer-wise")])
 def test_engine_clips_the_per_example_estimates_with_pallas_kernels(mode, groups):
-    """The norms and clipped sums of the ``Outer(S^T a, S^T g)`` estimates through ``kernels.ghost_norm``
+    """The norms and clipped sums of the ``Outer(S^T a, S^T g)`` estimates through ``dpzero_jax_kernels.ghost_norm``
     (interpreted on CPU) equal the written-out estimates' too."""
     setup, _ = two_layer_setup("gaussian")
     check_private(setup, clip_fn="abadi", groups=groups, mode=mode, norm_kernel="pallas")

@@ -1,7 +1,7 @@
 """Per-example norm kernels: one entry point per op, the implementation picked by backend, always behind a
 ``custom_vjp``.
 
-Ops (shapes as in :mod:`kernels.ghost_norm.reference`):
+Ops (shapes as in :mod:`dpzero_jax_kernels.ghost_norm.reference`):
 
 * :func:`gram_sq_norm` -- ghost (Gram) form, dense left factor or int ids (embedding), optional cross term;
 * :func:`instantiated_sq_norm` -- ``||left_i^T right_i||_F^2`` without ``[B, rows, cols]``;
@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.ghost_norm import reference
+from dpzero_jax_kernels.ghost_norm import reference
 
 Array = jax.Array
 
@@ -119,7 +119,8 @@ def gram_sq_norm(left_u: Array, right_u: Array, left_v: Array | None = None, rig
     ref_fn = reference.embed_gram_sq_norm if left_is_ids else reference.gram_sq_norm
     if family == "xla":
         return ref_fn(left_u, right_u, *pair)
-    from kernels.ghost_norm import pallas_gpu, pallas_tpu  # imported on first use: Pallas is not needed for XLA
+    # imported on first use: Pallas is not needed for XLA
+    from dpzero_jax_kernels.ghost_norm import pallas_gpu, pallas_tpu
 
     if family == "tpu":
         kernel = functools.partial(pallas_tpu.gram_sq_norm, left_is_ids=left_is_ids, interpret=interpret, **blocks)
@@ -136,7 +137,7 @@ def instantiated_sq_norm(left: Array, right: Array, *, implementation: str = "pa
     interpret = default_interpret if interpret is None else interpret
     if family == "xla":
         return reference.instantiated_sq_norm(left, right)
-    from kernels.ghost_norm import pallas_gpu, pallas_tpu
+    from dpzero_jax_kernels.ghost_norm import pallas_gpu, pallas_tpu
 
     if family == "tpu":
         kernel = functools.partial(pallas_tpu.instantiated_sq_norm, interpret=interpret, **blocks)
@@ -153,7 +154,7 @@ def weighted_sum(left: Array, right: Array, coef: Array, *, implementation: str 
     interpret = default_interpret if interpret is None else interpret
     if family == "xla":
         return reference.weighted_sum(left, right, coef)
-    from kernels.ghost_norm import pallas_tpu
+    from dpzero_jax_kernels.ghost_norm import pallas_tpu
 
     kernel = functools.partial(pallas_tpu.weighted_sum, interpret=interpret, **blocks)
     return _behind_custom_vjp(kernel, reference.weighted_sum, left, right, coef)

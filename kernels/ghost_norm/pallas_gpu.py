@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.ghost_norm.pallas_tpu import out_struct
+from dpzero_jax_kernels.ghost_norm.pallas_tpu import out_struct
 
 Array = jax.Array
 

@@ -1,0 +1,75 @@
+"""Packaging: the top-level ``kernels/`` folder is installed as ``dpzero_jax_kernels`` (a bare ``kernels`` would shadow
+PyPI's ``kernels``, the Hugging Face kernel hub that ``transformers`` looks for), pyproject.toml lists every package,
+and no code or document still imports the bare name."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_kernels_are_installed_as_dpzero_jax_kernels_and_bare_kernels_is_not_this_repo(tmp_path):
+    """In a fresh interpreter started outside the checkout (the working directory is not on sys.path), as a user's
+    script would be: ``dpzero_jax_kernels`` imports, ``kernels`` is absent or someone else's package."""
+    code = ("import importlib.util, json, dpzero_jax_kernels.ghost_norm as g; "
+            "spec = importlib.util.find_spec('kernels'); "
+            "print(json.dumps({'ghost_norm': g.__file__, 'kernels': None if spec is None else "
+            "(spec.origin or '') + ' ' + ' '.join(spec.submodule_search_locations or [])}))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert Path(found["ghost_norm"]).name == "__init__.py"
+    assert found["kernels"] is None or str(ROOT / "kernels") not in found["kernels"], found["kernels"]
+
+
+def test_dpzero_jax_kernels_is_the_engines_kernels():
+    from dpzero_jax import engine, pergrad
+    from dpzero_jax_kernels import ghost_norm
+    from dpzero_jax_kernels.ghost_norm import api, reference
+
+    assert engine.ghost_norm is ghost_norm and pergrad.ghost_norm is ghost_norm
+    assert api.reference is reference and "xla" in ghost_norm.NORM_KERNELS
+
+
+def test_pyproject_lists_every_package():
+    """Packages are listed, not found (the kernels folder is renamed): a new subpackage must be added by hand."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    package_dir = setuptools["package-dir"]
+    assert package_dir == {"dpzero_jax_kernels": "kernels"}
+    on_disk = set()
+    for top, name in (("dpzero_jax", "dpzero_jax"), ("kernels", "dpzero_jax_kernels")):
+        for init in (ROOT / top).rglob("__init__.py"):
+            if "__pycache__" not in init.parts:
+                on_disk.add(".".join([name, *init.parent.relative_to(ROOT / top).parts]))
+    assert set(setuptools["packages"]) == on_disk
+
+
+def test_no_bare_kernels_imports_left():
+    pattern = re.compile(r"^\s*(from\s+kernels[\s.]|import\s+kernels\b)|\bkernels\.ghost_norm\b", re.M)
+    offenders = []
+    for folder in ("dpzero_jax", "kernels", "tests", "experiments", "examples", "docs", "."):
+        for path in (ROOT / folder).glob("*" if folder == "." else "**/*"):
+            if path.suffix in (".py", ".md", ".ipynb") and path.is_file():
+                text = path.read_text()
+                offenders += [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for m in pattern.finditer(text)]
+    assert not offenders, offenders
+
+
+def test_one_source_of_truth_for_dependencies():
+    assert not (ROOT / "setup.cfg").exists() and not (ROOT / "setup.py").exists()
+    assert not (ROOT / "requirements.txt").exists()
+    project = PYPROJECT["project"]
+    names = {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
+    assert "matplotlib" not in names                                  # the plot is optional: the `plot` extra
+    assert {"scikit-learn", "tqdm"} <= names                          # the default `dpzero train` needs both
+    assert any(r.startswith("matplotlib") for r in project["optional-dependencies"]["plot"])
+    assert "dpzero_jax[plot,hf]" in project["optional-dependencies"]["test"]
