@@ -10,8 +10,9 @@ Per depth ``L`` and layout the script measures, in one process:
 
 * **compile**: ``jit(f).lower(args).compile()`` wall time (trace + planning + XLA), non-DP and DP, and the ratio;
 * **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round;
-* **memory** (``--remat`` rows): ``compiled.memory_analysis().temp_size_in_bytes`` of the DP step against the
-  non-DP step with the same ``nn.remat`` blocks.
+* **memory**: ``compiled.memory_analysis().temp_size_in_bytes`` of the DP step against the non-DP step; on the
+  ``scan+remat`` row (``nn.remat`` around every block, at the first depth) also of ``mode="ghost"``, whose norms
+  come out of the rematerialised backward (``auto`` resolves to book-keeping, which keeps every site's operands).
 
 The non-DP step is ``jax.value_and_grad`` of the mean per-example loss. Targets from the issue (printed, stored):
 at ``L = 48`` scanned, compile ratio <= 1.5 and step ratio <= 1.05.
@@ -88,13 +89,17 @@ def setup(layers: int, scan: bool, remat: bool = False):
     return params, batch, loss_fn
 
 
-def compiled_pair(params, batch, loss_fn):
+def compiled_pair(params, batch, loss_fn, modes=("auto",)):
+    """``{"nondp": ..., "dp": (auto), "ghost": ... }``: (compiled, args, lower + compile seconds)."""
     nondp = jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(loss_fn(p, b))))
-    cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode="auto", expected_batch_size=BATCH)
-    private = jax.jit(dz.private_value_and_grad(loss_fn, cfg))
     key = jax.random.key(1)
+    candidates = [("nondp", nondp, (params, batch))]
+    for mode in modes:
+        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode=mode, expected_batch_size=BATCH)
+        candidates.append(("dp" if mode == "auto" else mode, jax.jit(dz.private_value_and_grad(loss_fn, cfg)),
+                           (params, batch, key)))
     out = {}
-    for name, fn, args in (("nondp", nondp, (params, batch)), ("dp", private, (params, batch, key))):
+    for name, fn, args in candidates:
         start = time.perf_counter()
         compiled = fn.lower(*args).compile()
         out[name] = (compiled, args, time.perf_counter() - start)
@@ -103,6 +108,7 @@ def compiled_pair(params, batch, loss_fn):
 
 def step_ratio(pair, rounds: int) -> tuple[float, float, float]:
     """(median paired DP/non-DP ratio, median non-DP seconds, median DP seconds)."""
+    pair = {name: pair[name] for name in ("nondp", "dp")}
     for compiled, args, _ in pair.values():
         jax.block_until_ready(compiled(*args))
     ratios, times = [], {"nondp": [], "dp": []}
@@ -142,7 +148,7 @@ def main(argv=None):
         [("unrolled", L, False) for L in unrolled]
     for layout, layers, remat in cases:
         params, batch, loss_fn = setup(layers, scan=layout != "unrolled", remat=remat)
-        pair = compiled_pair(params, batch, loss_fn)
+        pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost") if remat else ("auto",))
         ratio, t_nondp, t_dp = step_ratio(pair, args.rounds)
         mem = {name: pair[name][0].memory_analysis() for name in pair}
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
@@ -150,10 +156,16 @@ def main(argv=None):
                "compile_ratio": pair["dp"][2] / pair["nondp"][2], "step_nondp_s": t_nondp, "step_dp_s": t_dp,
                "step_ratio_paired": ratio, "temp_nondp_bytes": temp["nondp"], "temp_dp_bytes": temp["dp"],
                "temp_ratio": temp["dp"] / max(temp["nondp"], 1)}
+        if "ghost" in temp:
+            row.update(temp_ghost_bytes=temp["ghost"], temp_ghost_ratio=temp["ghost"] / max(temp["nondp"], 1),
+                       compile_ghost_s=pair["ghost"][2])
         rows.append(row)
         print(f"{layout:<10} {layers:>3} {row['compile_nondp_s']:>16.2f} {row['compile_dp_s']:>12.2f} "
               f"{row['compile_ratio']:>9.2f} {1e3 * t_nondp:>14.1f} {1e3 * t_dp:>10.1f} {ratio:>7.3f} "
               f"{temp['nondp'] / 2**20:>15.1f} {temp['dp'] / 2**20:>11.1f} {row['temp_ratio']:>7.2f}", flush=True)
+        if "ghost" in temp:
+            print(f"{'  ghost':<10} {layers:>3} {'':>16} {pair['ghost'][2]:>12.2f} {'':>9} {'':>14} {'':>10} {'':>7} "
+                  f"{temp['nondp'] / 2**20:>15.1f} {temp['ghost'] / 2**20:>11.1f} {row['temp_ghost_ratio']:>7.2f}")
     deepest = max(args.depths)
     target = [r for r in rows if r["layout"] == "scan" and r["layers"] == deepest]
     targets = {}
