@@ -82,5 +82,6 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
         from dpzero_jax.program import mode as program_mode
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
-        return PlanReport("program", "bk", tuple(program_mode.explain(program_plan, params, cfg)))
+        mode = cfg.mode if cfg.mode != "auto" else ("ghost" if program_plan.analysis.rematerialised else "bk")
+        return PlanReport("program", mode, tuple(program_mode.explain(program_plan, params, cfg)))
     return PlanReport("layers", engine.choose_mode(cfg, plan).mode, tuple(_layer_rows(plan, params, cfg)))

@@ -236,6 +236,8 @@ def test_explain_plan_for_both_front_ends():
     assert rows["cls"]["per_example_bytes"] == 4 * D
     text = str(report)
     assert "front end: program" in text and "lora_b" in text and "cond" in text
+    scanned = SETUPS["linen"]()     # nn.remat blocks: auto computes their norms in the rematerialised backward
+    assert dz.explain_plan(scanned.loss_fn, dz.DPConfig(), scanned.params, scanned.batch).mode == "ghost"
     bundled = gpt2(True)
     layers = dz.explain_plan(bundled.loss_fn, dz.DPConfig(), bundled.params, bundled.batch)
     assert layers.front_end == "layers" and layers.mode == "bk"

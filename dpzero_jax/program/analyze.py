@@ -94,6 +94,7 @@ class Analysis:
     fallback: set = dataclasses.field(default_factory=set)
     containers: set = dataclasses.field(default_factory=set)
     reasons: dict = dataclasses.field(default_factory=dict)   # fallback leaf -> first reason
+    primitives: dict = dataclasses.field(default_factory=dict)  # path of an entered sub-program -> its primitive
 
     def mark_fallback(self, leaves, reason: str) -> None:
         for leaf in leaves:
@@ -105,6 +106,11 @@ class Analysis:
         self.sites = {p: s for p, s in self.sites.items() if s.view.leaf not in self.fallback}
         self.containers = {p[:k] for p in self.sites for k in range(1, len(p))}
         return self
+
+    @property
+    def rematerialised(self) -> bool:
+        """Whether some site lies inside a ``jax.checkpoint`` (remat) region."""
+        return any(self.primitives.get(p) in ("remat2", "checkpoint") for p in self.containers)
 
 
 def _leaves(kind) -> frozenset[int]:
@@ -182,8 +188,10 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
     if not params_in:
         return [_join(kinds)] * n_out
     if name == "scan":
+        analysis.primitives[here] = name
         return _classify_scan(eqn, kinds, analysis, here, lengths)
     if name in CALLS:
+        analysis.primitives[here] = name
         sub, _ = _sub_jaxpr(eqn)
         return analyze(sub, kinds, analysis, here, lengths)
     has_data = any(k == DATA for k in kinds)
