@@ -182,8 +182,29 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int):
     sq = pergrad.sq_norm(uses, "ghost" if ghost else "instantiate", kernel).reshape(batch, k).sum(axis=1)
 
     def clipped(coef):
-        return jnp.stack([pergrad.weighted_sum(_outer_uses(factored, j), coef, kernel) for j in range(k)])
+        if k == 1:
+            return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel)[None]
+        return _blocked_weighted_sum(factored, coef)
     return sq, clipped
+
+
+def _blocked_weighted_sum(factored, coef):
+    """``[K, rows, cols]``: ``sum_i coef_i G_{i,k}`` for every block ``k`` at once (one contraction per use);
+    examples with ``coef == 0`` selected away before multiplying (NaN-safe)."""
+    active = coef != 0
+    scale = coef.astype(jnp.float32)
+    total = 0.0
+    for _, f in factored:
+        right = jnp.where(active[:, None, None, None], f.right.astype(jnp.float32), 0.0) * scale[:, None, None, None]
+        k = f.right.shape[1]
+        if f.left_is_ids:
+            blocks = jnp.broadcast_to(jnp.arange(k)[None, :, None], f.left.shape)
+            part = jnp.zeros((k, f.rows, f.right.shape[-1]), jnp.float32).at[blocks, f.left].add(right)
+        else:
+            left = jnp.where(active[:, None, None, None], f.left, jnp.zeros((), f.left.dtype))
+            part = jnp.einsum("bktr,bktc->krc", left, right.astype(left.dtype), preferred_element_type=jnp.float32)
+        total = total + part
+    return total
 
 
 def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int):
@@ -203,10 +224,12 @@ def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int):
 
 def coefficients(cfg, plan: ProgramPlan, sq: dict, losses, mask, size: int):
     """``(norms [B, M], coef [B, M])`` from ``{leaf: sq [B]}``."""
-    group_sq = jnp.zeros((size, len(plan.group_names)), jnp.float32)
+    by_group: dict[int, Any] = {}
     for leaf, value in sq.items():
-        group_sq = group_sq.at[:, plan.group_of[plan.paths[leaf]]].add(value)
-    norms = jnp.sqrt(group_sq)
+        group = plan.group_of[plan.paths[leaf]]
+        by_group[group] = by_group.get(group, 0.0) + value.astype(jnp.float32)
+    zero = jnp.zeros((size,), jnp.float32)
+    norms = jnp.sqrt(jnp.stack([by_group.get(m, zero) for m in range(len(plan.group_names))], axis=1))
     keep = jnp.logical_and(mask, jnp.isfinite(losses))
     return norms, clipping.coefficients(norms, jnp.asarray(plan.thresholds), keep, cfg.clip_fn, cfg.gamma)
 
