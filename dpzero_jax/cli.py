@@ -116,9 +116,9 @@ def _patterns(flag: str):
 
 
 def _model(text: str) -> str:
-    if text in ("mlp", "vit") or (text.startswith("hf:") and text[3:].strip()):
+    if text in ("mlp", "vit", "cnn") or (text.startswith("hf:") and text[3:].strip()):
         return text
-    raise argparse.ArgumentTypeError(f"--model must be mlp, vit or hf:PATH, got {text!r}")
+    raise argparse.ArgumentTypeError(f"--model must be mlp, vit, cnn or hf:PATH, got {text!r}")
 
 
 def _hidden(text: str):
@@ -141,7 +141,7 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
 
     train.add_argument("--config", help="JSON or YAML file of TrainConfig options (flags override it)")
     train.add_argument("--model", type=_model,
-                       help="mlp, vit, or hf:PATH (a Hugging Face save_pretrained directory: GPT-2, BERT, "
+                       help="mlp, vit, cnn, or hf:PATH (a Hugging Face save_pretrained directory: GPT-2, BERT, "
                             "RoBERTa, ViT)")
     train.add_argument("--task", choices=("classification", "causal-lm"),
                        help="classification (default) or causal-lm (hf:PATH GPT-2 checkpoints)")

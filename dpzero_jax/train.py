@@ -46,7 +46,7 @@ from dpzero_jax.engine import private_value_and_grad
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
-MODELS = ("mlp", "vit")          # or "hf:PATH", a Hugging Face checkpoint directory (GPT-2, BERT, RoBERTa, ViT)
+MODELS = ("mlp", "vit", "cnn")   # or "hf:PATH", a Hugging Face checkpoint directory (GPT-2, BERT, RoBERTa, ViT)
 TASKS = text.TASKS
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
 PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")
@@ -458,6 +458,8 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs, label_names=None, 
         return models.MLP(models.MLPConfig(in_features=int(np.prod(image_shape)), hidden=cfg.hidden,
                                            num_classes=num_classes), rngs=rngs)
     size, _, channels = image_shape
+    if cfg.model == "cnn":
+        return models.CNN(models.CNNConfig(image_size=size, num_channels=channels, num_classes=num_classes), rngs=rngs)
     return models.ViT(models.ViTConfig(image_size=size, patch_size=2, num_channels=channels, hidden_size=64,
                                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                                        num_classes=num_classes), rngs=rngs)

@@ -120,7 +120,7 @@ def test_bad_hf_options_get_clear_errors(tmp_path, capsys):
     assert "takes 8x8x3 images, the digits dataset has 8x8x1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--model", "bert"])
-    assert "--model must be mlp, vit or hf:PATH" in capsys.readouterr().err
+    assert "--model must be mlp, vit, cnn or hf:PATH" in capsys.readouterr().err
 
 
 @pytest.mark.slow
