@@ -459,7 +459,9 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs, label_names=None, 
                                            num_classes=num_classes), rngs=rngs)
     size, _, channels = image_shape
     if cfg.model == "cnn":
-        return models.CNN(models.CNNConfig(image_size=size, num_channels=channels, num_classes=num_classes), rngs=rngs)
+        dtype = None if cfg.precision == "fp32" else PRECISIONS[cfg.precision]   # nnx layers compute in `dtype`
+        return models.CNN(models.CNNConfig(image_size=size, num_channels=channels, num_classes=num_classes,
+                                           dtype=dtype), rngs=rngs)
     return models.ViT(models.ViTConfig(image_size=size, patch_size=2, num_channels=channels, hidden_size=64,
                                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                                        num_classes=num_classes), rngs=rngs)

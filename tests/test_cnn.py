@@ -30,9 +30,12 @@ def test_forward_shapes():
         model(jnp.zeros((3, 64)))
     with pytest.raises(ValueError, match="num_groups=5 must divide"):
         CNNConfig(num_groups=5)
+    half = CNN(CNNConfig(dtype=jnp.bfloat16), rngs=nnx.Rngs(0))       # --precision bf16: bf16 compute
+    assert half(jnp.zeros((2, 8, 8, 1), jnp.bfloat16)).dtype == jnp.bfloat16
+    assert half.conv1.kernel[...].dtype == jnp.float32                  # fp32 master weights
 
 
-@pytest.mark.parametrize("mode", ["vmap", "auto"])
+@pytest.mark.parametrize("mode", ["vmap", "auto", "ghost"])
 def test_private_gradient_equals_clipped_sum_of_vmap_grad(mode):
     model = CNN(CNNConfig(), rngs=nnx.Rngs(1))
     params, loss_fn = classification_objective(model)      # what the trainer differentiates

@@ -1,14 +1,15 @@
 """A small convolutional classifier from standard Flax NNX layers (``nnx.Conv``, ``nnx.GroupNorm``, ``nnx.Linear``).
 
 Unlike the other bundled models it uses no :mod:`dpzero_jax.nn` layer: it is an example of a model a user brings as
-is. ``mode="vmap"`` (per-example gradients) accepts it like any model; ``"bk"`` / ``"auto"`` go through the program
-front-end (:mod:`dpzero_jax.program`). GroupNorm normalises each example on its own, so per-example gradients stay
-per-example (BatchNorm would mix the examples of a batch and is not DP-compatible as such).
+is: ``"bk"``, ``"ghost"`` and ``"auto"`` compute it through the program front-end (:mod:`dpzero_jax.program`), and
+``"vmap"`` (per-example gradients) accepts it like any model. GroupNorm normalises each example on its own, so
+per-example gradients stay per-example (BatchNorm would mix the examples of a batch and is not DP-compatible as such).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from flax import nnx
@@ -21,6 +22,7 @@ class CNNConfig:
     widths: tuple[int, int] = (16, 32)
     num_groups: int = 4
     num_classes: int = 10
+    dtype: Any = None   # compute dtype of the layers (``None``: the inputs' and parameters' promoted dtype)
 
     def __post_init__(self):
         if len(self.widths) != 2 or not all(isinstance(w, int) and w > 0 for w in self.widths):
@@ -51,11 +53,12 @@ class CNN(nnx.Module):
     def __init__(self, config: CNNConfig, *, rngs: nnx.Rngs):
         self.config = config
         c1, c2 = config.widths
-        self.conv1 = nnx.Conv(config.num_channels, c1, kernel_size=(3, 3), padding="SAME", rngs=rngs)
-        self.norm1 = nnx.GroupNorm(c1, num_groups=config.num_groups, rngs=rngs)
-        self.conv2 = nnx.Conv(c1, c2, kernel_size=(3, 3), strides=(2, 2), padding="SAME", rngs=rngs)
-        self.norm2 = nnx.GroupNorm(c2, num_groups=config.num_groups, rngs=rngs)
-        self.head = nnx.Linear(config.feature_size ** 2 * c2, config.num_classes, rngs=rngs)
+        dtype = config.dtype
+        self.conv1 = nnx.Conv(config.num_channels, c1, kernel_size=(3, 3), padding="SAME", dtype=dtype, rngs=rngs)
+        self.norm1 = nnx.GroupNorm(c1, num_groups=config.num_groups, dtype=dtype, rngs=rngs)
+        self.conv2 = nnx.Conv(c1, c2, kernel_size=(3, 3), strides=(2, 2), padding="SAME", dtype=dtype, rngs=rngs)
+        self.norm2 = nnx.GroupNorm(c2, num_groups=config.num_groups, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(config.feature_size ** 2 * c2, config.num_classes, dtype=dtype, rngs=rngs)
 
     def __call__(self, images: jax.Array) -> jax.Array:
         c = self.config
