@@ -242,3 +242,32 @@ def test_explain_plan_for_both_front_ends():
     layers = dz.explain_plan(bundled.loss_fn, dz.DPConfig(), bundled.params, bundled.batch)
     assert layers.front_end == "layers" and layers.mode == "bk"
     assert {r["path"]: r["rule"] for r in layers.rows}["wte/embedding"] == "embed+linear"
+
+
+@jax.custom_vjp
+def straight_through_round(x, w):
+    """``round(x * w)`` whose gradient is that of ``x * w`` (a straight-through estimator)."""
+    return jnp.round(x * w)
+
+
+straight_through_round.defvjp(lambda x, w: (jnp.round(x * w), (x, w)),
+                              lambda saved, g: (g * saved[1], jnp.sum(g * saved[0], axis=0)))
+
+
+def test_custom_derivatives_are_kept():
+    """A custom-VJP function of a parameter and the data is one opaque site: its own backward is the one used (an
+    inlined primal would give round's zero gradient)."""
+    keys = jax.random.split(jax.random.key(8), 2)
+    params = {"w": 1.0 + jax.random.uniform(keys[0], (D,)), "head": jax.random.normal(keys[1], (D, 3))}
+    rng = np.random.default_rng(4)
+    batch = {"x": jnp.asarray(3 * rng.standard_normal((B, T, D)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        h = jax.vmap(straight_through_round, in_axes=(0, None))(b["x"], p["w"]).mean(1)
+        return -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][:, None], 1)[:, 0]
+
+    setup = Setup("ste", params, loss_fn, batch, ())
+    assert np.all(np.abs(setup.grads["w"]) > 0)
+    for mode in ("bk", "ghost"):
+        check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode)

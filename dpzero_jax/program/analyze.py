@@ -26,7 +26,7 @@ A leaf that reaches the data through a :class:`Mixed` value, a loop carry, a ``w
 function or a scan slice of a non-elementwise view is a *fallback* leaf: its per-example gradient is computed by
 autodiff of the single-example loss with respect to that leaf (exact; ``B x`` its size). No parameter is refused.
 
-Sub-programs: ``jit`` / ``closed_call`` / ``custom_jvp_call`` / ``remat`` are entered (a site inside keeps its
+Sub-programs: ``jit`` / ``closed_call`` / ``remat`` are entered (a site inside keeps its
 place, keyed by the path of equation indices); ``scan`` is entered with its body's inputs classified (a leaf
 passed as a scanned input is sliced per iteration: *stacked*, ``level "xs"``; passed as a constant it is the same
 at every iteration: ``level "const"``).
@@ -47,7 +47,9 @@ CONST = "const"
 BIJECTIVE = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p", "squeeze", "expand_dims"})
 STRUCTURAL = BIJECTIVE | frozenset({"broadcast_in_dim", "slice", "rev", "pad", "neg", "reduce_precision"})
 ELEMENTWISE = frozenset({"convert_element_type", "copy", "copy_p"})  # commute with slicing a stacked leaf
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat2", "checkpoint"})
+# Entered. A ``custom_jvp_call`` / ``custom_vjp_call`` is not: its custom derivative (a straight-through estimator,
+# a stable softmax) must be kept, so it is one opaque operation -- a local site, or a fallback.
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +201,7 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
         return [_param_only(eqn, kinds)] * n_out
     # Data meets trainable leaves: a site when exactly one operand is a view and the others are data or constants.
     views = [i for i, k in enumerate(kinds) if isinstance(k, View)]
-    if len(params_in) == 1 and len(views) == 1 and n_out == 1 and name not in ("while", "cond", "custom_vjp_call",
-                                                                                "custom_vjp_call_jaxpr"):
+    if len(params_in) == 1 and len(views) == 1 and n_out == 1 and name not in ("while", "cond"):
         p = views[0]
         view = kinds[p]
         kind = "local"

@@ -5,7 +5,8 @@ Run inside ``jax.vmap`` (over examples) and ``jax.vjp`` (with respect to the pro
 ingredients per site: the operands (``records``) and the output gradient (the probes' cotangent), without any
 parameter gradient by autodiff. Every other equation is bound as it is. Sub-programs that contain sites:
 
-* ``jit`` / ``closed_call`` / ``custom_jvp_call``: evaluated inline (the interpreter enters them);
+* ``jit`` / ``closed_call``: evaluated inline (the interpreter enters them; custom-derivative functions are not
+  entered: they are sites or bound as they are);
 * ``remat``: re-emitted as ``jax.checkpoint`` with its policy around the interpreted body (probes in, records out);
 * ``scan``: re-emitted as ``lax.scan`` over the interpreted body, never unrolled: the sites' probes are extra
   scanned inputs and their records extra stacked outputs (leading axis: the iteration).
