@@ -3,21 +3,23 @@
 Book-keeping (:mod:`dpzero_jax.program.mode`) keeps every site's operands and output gradient until the norms are
 known -- under ``jax.checkpoint`` that undoes the rematerialisation. The ghost mode keeps nothing:
 
-1. **Norm pass.** Each eligible site becomes a ``jax.custom_vjp`` function of (the parameter view, the data
-   operands, a scalar *sink*). Its forward is the equation; its backward returns the data cotangents as autodiff
-   would, zero for the parameter, and for the sink the example's squared norm of the site's parameter gradient,
-   computed right there from the operands and the output gradient (ghost or instantiated form by the mixed rule;
-   local sites instantiate and map through the view's VJP). One VJP with respect to the sinks gives every norm; in
-   a rematerialised block the operands are the recomputed ones.
-2. **Sum pass.** Each eligible site becomes a ``custom_vjp`` whose backward scales the example's output gradient by
-   its clip coefficient (examples with coefficient 0 selected away, so a NaN example contributes exactly zero)
-   before the parameter's VJP; ``jax.grad`` of the summed losses, taken through ``jax.vmap``, then sums
-   ``C_i grad_i`` over the batch in the same contractions as the non-private gradient.
+Each eligible site becomes a ``jax.custom_vjp`` function of (the parameter view, the data operands, a scalar
+*sink*) with two outputs: the equation's result and a zero scalar *port*. The batch runs once forward (``jax.vmap``
+of the single-example program inside one ``jax.vjp``), then two pullbacks:
+
+1. **Norms** (port cotangent 0): each site's backward returns the data cotangents as autodiff would and, for the
+   sink, the example's squared norm of the site's parameter gradient, computed right there from the operands and the
+   output gradient (ghost or instantiated form by the mixed rule; local sites instantiate and map through the view's
+   VJP); in a rematerialised block the operands are the recomputed ones.
+2. **Clipped sum** (port cotangent = the example's clip coefficient): the backward scales the output gradient by
+   it (examples with coefficient 0 selected away, so a NaN example contributes exactly zero) before the parameter's
+   VJP; the transpose of ``vmap`` sums ``C_i grad_i`` over the batch in the same contractions as the non-private
+   gradient.
 
 Eligible: a leaf with exactly one site, not inside a scan that passes it whole (``"const"`` level: the iterations'
 gradients would need cross terms). Other leaves -- tied weights, a weight shared across scan iterations -- are
-captured as in book-keeping during the norm pass, and fallback leaves are differentiated per example as ever; both
-are held constant in the sum pass and summed from what the norm pass kept.
+captured as in book-keeping, and fallback leaves are differentiated per example (per-example copies); both are
+summed from what the first pullback gave.
 """
 
 from __future__ import annotations
@@ -105,7 +107,9 @@ def _data_cotangents(site, w, ops, g):
     return out
 
 
-def _norm_handler(ghost_paths: frozenset, method: str):
+def _ghost_handler(ghost_paths: frozenset, method: str):
+    """Book-keeping's probe for captured sites; for ghost sites a ``custom_vjp`` of (view, operands, sink) with a
+    second output, the zero *port*, whose cotangent carries the example's clip coefficient into the backward."""
     def handler(site, invals, site_input, records):
         if site.path not in ghost_paths:
             return add_probe(site, invals, site_input, records)
@@ -113,50 +117,32 @@ def _norm_handler(ghost_paths: frozenset, method: str):
         ops = [invals[i] for i in site.recorded]
 
         @jax.custom_vjp
-        def with_sink(w, ops, sink):
-            return _apply(site, w, ops)
+        def with_port(w, ops, sink):
+            # The port is computed from the per-example sink so that, under vmap, it is per-example too (a constant
+            # port would be one value for the batch, and its cotangent the batch's sum of coefficients).
+            return _apply(site, w, ops), sink * 0.0
 
         def forward(w, ops, sink):
-            return _apply(site, w, ops), (w, ops)
+            return with_port(w, ops, sink), (w, ops)
 
-        def backward(saved, g):
+        def backward(saved, cotangents):
             w, ops = saved
-            return (jnp.zeros_like(w), _data_cotangents(site, w, ops, g),
-                    _squared_norm(site, method, w, ops, g).astype(jnp.float32))
-
-        with_sink.defvjp(forward, backward)
-        return [with_sink(w, ops, site_input)]
-    return handler
-
-
-def _sum_handler(ghost_paths: frozenset):
-    def handler(site, invals, scale, records):
-        w = invals[site.param_operand]
-        if site.path not in ghost_paths:
-            frozen = list(invals)
-            frozen[site.param_operand] = jax.lax.stop_gradient(w)
-            return bind(site.eqn, frozen)
-        ops = [invals[i] for i in site.recorded]
-
-        @jax.custom_vjp
-        def scaled(w, ops, scale):
-            return _apply(site, w, ops)
-
-        def forward(w, ops, scale):
-            return _apply(site, w, ops), (w, ops, scale)
-
-        def backward(saved, g):
-            w, ops, scale = saved
-            keep = scale != 0
-            g_kept = jnp.where(keep, g * scale.astype(g.dtype), jnp.zeros((), g.dtype))
+            g, coef = cotangents
+            # Pullback 1 (port cotangent 0) uses only the sink's cotangent, pullback 2 only the parameter's: under
+            # jit the other one is dead code.
+            keep = coef != 0
+            g_kept = jnp.where(keep, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
             ops_kept = [jnp.where(keep, o, jnp.zeros((), o.dtype)) if jnp.issubdtype(o.dtype, jnp.inexact) else o
                         for o in ops]
             _, pullback = jax.vjp(lambda w_: _apply(site, w_, ops_kept), w)
             (w_grad,) = pullback(g_kept)
-            return w_grad, _data_cotangents(site, w, ops, g), jnp.zeros_like(scale)
+            return (w_grad, _data_cotangents(site, w, ops, g),
+                    _squared_norm(site, method, w, ops, g).astype(jnp.float32))
 
-        scaled.defvjp(forward, backward)
-        return [scaled(w, ops, scale)]
+        with_port.defvjp(forward, backward)
+        out, port = with_port(w, ops, site_input)
+        records[site.path] = port
+        return [out]
     return handler
 
 
@@ -165,46 +151,57 @@ def _sink(site):
 
 
 def program_ghost(cfg, plan, params, batch, mask):
-    """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``, two pullbacks."""
+    """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``: one forward (``vmap`` over
+    the examples inside one ``jax.vjp``), two pullbacks."""
     leaves, treedef = jax.tree.flatten(params)
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
+    analysis = plan.analysis
     ghost_paths = eligible(plan)
+    ghost_leaves = sorted({analysis.sites[p].view.leaf for p in ghost_paths})
+    fallback = sorted(analysis.fallback)
+    handler = _ghost_handler(ghost_paths, cfg.norm_method)
 
-    def site_input(site):
-        return _sink(site) if site.path in ghost_paths else bk.zero_probe(site)
+    def per_example(values, example, site_inputs):
+        records: dict = {}
+        (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, site_inputs, records,
+                      handler=handler)
+        ports = {p: records.pop(p) for p in ghost_paths}
+        return (loss, ports), records
 
-    losses, records, cotangents, fallback_ct = bk._pass(plan, leaves, batch_leaves,
-                                                         _norm_handler(ghost_paths, cfg.norm_method), site_input)
-    ghost_leaves = {plan.analysis.sites[p].view.leaf for p in ghost_paths}
-    captured = {s.view.leaf for s in plan.analysis.sites.values()} - ghost_leaves
+    def forward(trained, copies, site_inputs):
+        values = list(leaves)
+        for i, v in zip(ghost_leaves, trained):
+            values[i] = v
+
+        def one(copies_i, example, inputs_i):
+            local = list(values)
+            for i, v in zip(fallback, copies_i):
+                local[i] = v
+            return per_example(local, example, inputs_i)
+        return jax.vmap(one, in_axes=(0, 0, 0))(copies, list(batch_leaves), site_inputs)
+
+    site_inputs = {path: jnp.broadcast_to(_sink(site) if path in ghost_paths else bk.zero_probe(site),
+                                          (size,) + tuple(site.lengths) + (() if path in ghost_paths else
+                                                                           tuple(site.out_aval.shape)))
+                   for path, site in analysis.sites.items()}
+    copies = [jnp.broadcast_to(leaves[i], (size,) + leaves[i].shape) for i in fallback]
+    (losses, ports), pullback, records = jax.vjp(forward, [leaves[i] for i in ghost_leaves], copies, site_inputs,
+                                                 has_aux=True)
+    ones = jnp.ones_like(losses)
+    _, fallback_ct, cotangents = pullback((ones, jax.tree.map(jnp.zeros_like, ports)))
+
+    captured = {s.view.leaf for s in analysis.sites.values()} - set(ghost_leaves)
     terms = bk._leaf_terms(plan, leaves, records, cotangents, fallback_ct, captured)
     sq, summers = bk.norms_and_summers(cfg, plan, leaves, terms, size)
     for path in ghost_paths:
-        site = plan.analysis.sites[path]
-        sq[site.view.leaf] = jnp.sum(cotangents[path].reshape(size, -1), axis=1)
+        sq[analysis.sites[path].view.leaf] = jnp.sum(cotangents[path].reshape(size, -1), axis=1)
     norms, coef = bk.coefficients(cfg, plan, sq, losses, mask, size)
 
-    differentiated = sorted(ghost_leaves)
-    scales = {}
-    for path, site in plan.analysis.sites.items():
-        column = coef[:, plan.group_of[plan.paths[site.view.leaf]]].reshape((size,) + (1,) * len(site.lengths))
-        scales[path] = jnp.broadcast_to(column, (size,) + tuple(site.lengths))
-    frozen = [jax.lax.stop_gradient(leaf) for leaf in leaves]
-
-    def summed_losses(trained):
-        values = list(frozen)
-        for i, v in zip(differentiated, trained):
-            values[i] = v
-
-        def one(example, site_scales):
-            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), plan.analysis, site_scales,
-                          {}, handler=_sum_handler(ghost_paths))
-            return loss
-        return jnp.sum(jax.vmap(one)(list(batch_leaves), scales))
-
-    ghost_sums = jax.grad(summed_losses)([leaves[i] for i in differentiated]) if differentiated else []
-    sums = dict(zip(differentiated, ghost_sums))
+    port_ct = {path: jnp.broadcast_to(coef[:, plan.group_of[plan.paths[analysis.sites[path].view.leaf]]].reshape(
+        (size,) + (1,) * (ports[path].ndim - 1)), ports[path].shape) for path in ghost_paths}
+    ghost_sums, _, _ = pullback((ones, port_ct))
+    sums = dict(zip(ghost_leaves, ghost_sums))
     out = []
     for i, leaf in enumerate(leaves):
         if i in sums:

@@ -298,3 +298,4 @@ def _positions(site) -> int:
         t = math.prod(n for i, n in enumerate(data) if i not in c_d and i not in b_d)
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
     return t * math.prod(n for n, lv in zip(site.lengths, levels) if lv == "const")
+
