@@ -54,7 +54,8 @@ def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
         if not uses:
             rule, method, nbytes = "unused", "-", 0
         elif set(rules) <= {"linear", "embed", "rmm_linear"} and any(name in ("kernel", "table") for _, name in uses):
-            positions = sum(math.prod(by_index[i].input_shape[1:-1]) for i, _ in uses)
+            positions = sum(math.prod(by_index[i].input_shape[1:] if by_index[i].rule.name == "embed"
+                                      else by_index[i].input_shape[1:-1]) for i, _ in uses)
             ghost = cfg.norm_method == "ghost" or (cfg.norm_method != "instantiate"
                                                    and 2 * positions ** 2 < sizes[path])
             rule, method = "+".join(rules), "ghost" if ghost else "instantiate"
