@@ -271,3 +271,31 @@ def test_custom_derivatives_are_kept():
     assert np.all(np.abs(setup.grads["w"]) > 0)
     for mode in ("bk", "ghost"):
         check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode)
+
+
+def test_scan_with_shared_and_stacked_weights_and_a_nested_scan():
+    """A weight passed whole into a scan (the same at every iteration: its iterations add up, cross terms included),
+    a stacked weight sliced per iteration, and a scan inside the scan body."""
+    keys = jax.random.split(jax.random.key(11), 4)
+    params = {"shared": jax.random.normal(keys[0], (D, D)) / 3, "stacked": jax.random.normal(keys[1], (3, D, D)) / 3,
+              "inner": jax.random.normal(keys[2], (2, D)) * 0.5, "head": jax.random.normal(keys[3], (D, 3))}
+    rng = np.random.default_rng(6)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        def layer(h, w):
+            h = jnp.tanh(h @ p["shared"] + h @ w)
+
+            def inner(g, scale):
+                return g * scale + 0.1 * g, None
+            h, _ = jax.lax.scan(inner, h, p["inner"])
+            return h, None
+        h, _ = jax.lax.scan(layer, b["x"], p["stacked"])
+        return -jnp.take_along_axis(jax.nn.log_softmax(h.mean(1) @ p["head"]), b["y"][:, None], 1)[:, 0]
+
+    setup = Setup("scans", params, loss_fn, batch, ())
+    for mode in ("bk", "ghost"):
+        check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, floor=1e-4)
+    rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dz.DPConfig(), params, batch).rows}
+    assert rows["shared"]["rule"] == "dot" and rows["stacked"]["rule"] == "dot" and rows["inner"]["rule"] == "local"
