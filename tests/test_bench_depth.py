@@ -1,0 +1,36 @@
+"""Smoke tests of the depth and front-end benchmarks (slow: each compiles several DP steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
+
+
+@pytest.mark.slow
+def test_bench_depth_quick_writes_its_table(tmp_path, capsys):
+    import bench_depth
+
+    out = tmp_path / "depth.json"
+    bench_depth.main(["--quick", "--unrolled", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    layouts = {(row["layout"], row["layers"]) for row in result["rows"]}
+    assert {("scan", 2), ("scan", 4), ("scan+remat", 2), ("unrolled", 2)} <= layouts
+    remat = next(row for row in result["rows"] if row["layout"] == "scan+remat")
+    assert remat["temp_ghost_bytes"] < remat["temp_dp_bytes"]      # ghost keeps no operands inside remat blocks
+    assert "x compile" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_front_ends_quick_writes_its_table(tmp_path):
+    import bench_front_ends
+
+    out = tmp_path / "front_ends.json"
+    bench_front_ends.main(["--quick", "--rounds", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"non-DP", "layers bk", "layers ghost", "program bk", "program ghost"}
+    assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
