@@ -299,3 +299,9 @@ def test_scan_with_shared_and_stacked_weights_and_a_nested_scan():
         check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, floor=1e-4)
     rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dz.DPConfig(), params, batch).rows}
     assert rows["shared"]["rule"] == "dot" and rows["stacked"]["rule"] == "dot" and rows["inner"]["rule"] == "local"
+
+
+def test_pallas_norm_kernels_on_the_program_front_end():
+    """``norm_kernel="pallas"`` (interpreted on CPU) computes the factored norms and sums of program sites too."""
+    check_private(SETUPS["plain"](), clip_fn="abadi", groups="param-wise", mode="bk", norm_kernel="pallas",
+                  floor=1e-4)
