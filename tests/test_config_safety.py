@@ -138,11 +138,11 @@ def test_autotune_warns_when_it_falls_back_to_vmap():
 
     import dpzero_jax as dz
 
-    def loss_fn(p, batch):   # a parameter used outside a dense layer: only vmap can clip it per example
+    def loss_fn(p, batch):   # a parameter used outside a dz.nn layer: with front_end="layers" only vmap clips it
         return jnp.sum(jnp.sin(p["w"] * batch["x"]) ** 2, axis=-1)
 
     with pytest.warns(RuntimeWarning, match="falling back to mode='vmap'"):
-        cfg = dz.autotune(loss_fn, dz.DPConfig(), {"w": jnp.ones((3,))}, {"x": jnp.ones((4, 3))},
+        cfg = dz.autotune(loss_fn, dz.DPConfig(front_end="layers"), {"w": jnp.ones((3,))}, {"x": jnp.ones((4, 3))},
                           jax.random.key(0), repeats=1)
     assert cfg.mode == "vmap"
 
