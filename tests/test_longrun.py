@@ -119,6 +119,23 @@ def test_calibration_settles_at_full_resolution():
     assert scratch([(sigma * (1 - rtol), q, steps)], "pld").get_epsilon(DELTA) > target
 
 
+def test_calibrated_run_reuses_calibration_for_its_epsilon_of_record(tmp_path, monkeypatch):
+    """The epsilon of record of a calibrated run is dp_accounting's from-scratch composition of its ledger at full
+    resolution, which calibration already computed for that sigma: the end of training composes nothing again."""
+    steps, target = 300, 20.0
+    trainer = Trainer(TrainConfig(out=str(tmp_path), steps=steps, epsilon=target, log_every=100, progress=False,
+                                  plot=False, checkpoint_every=0))
+    composed = []
+    for name in ("_compose_from_scratch", "_composed"):
+        original = getattr(acc, name)
+        monkeypatch.setattr(acc, name, lambda *a, _f=original: composed.append(a) or _f(*a))
+    result = trainer.run()
+    assert composed == []
+    eta = trainer.sampler.truncation_probability
+    expected = certified_reference([(trainer.noise_multiplier, Q, steps)], eta, "pld")
+    assert result.epsilon == pytest.approx(expected, rel=1e-12) and result.epsilon <= target
+
+
 # --------------------------------------------------------------------------- the batch cap
 DIGITS_N, BATCH = 1437, 256
 Q = BATCH / DIGITS_N
