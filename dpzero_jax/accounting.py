@@ -450,6 +450,24 @@ def planned_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, d
     return min(upper, float(coarse.get_epsilon(delta)))
 
 
+def epsilon_of_record(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
+                      accountant: str = "pld") -> float:
+    """What :meth:`PrivacyLedger.epsilon` will report for ``steps`` Poisson steps at (sigma, q) whose truncation
+    charge stays within ``TRUNCATION_SHARE`` of delta (the trainer's batch cap sees to it): ``dp_accounting``'s
+    from-scratch composition at ``delta * (1 - TRUNCATION_SHARE)``, at its default resolution. Computed now and
+    remembered (``_EPSILONS``; the composition itself is not kept), so that the ledger's own call finds it: the
+    trainer asks before training, spending the time and memory of the composition before the first step instead of
+    after the last (free for a calibrated sigma, which calibration already composed)."""
+    sigma, q, steps, delta = _check_noise(noise_multiplier), _check_rate(sampling_rate), _check_steps(steps), \
+        _check_delta(delta)
+    _check_accountant(accountant)
+    if steps == 0 or sigma == 0:
+        return 0.0 if steps == 0 else math.inf
+    key = _poisson_key(sigma, q, steps)
+    return _from_scratch_epsilon(key, delta * (1.0 - TRUNCATION_SHARE), accountant,
+                                 lambda: _compose_from_scratch(key, accountant))
+
+
 def _mechanism_key(entries: tuple) -> tuple:
     """The composed mechanism of a ledger given as a tuple of entries: counts kept, truncation dropped."""
     return tuple(tuple(sorted((k, v) for k, v in e if k != "truncation_probability")) for e in entries)

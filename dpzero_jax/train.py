@@ -648,6 +648,13 @@ class Trainer:
             self.sampler = FixedSizeSampler(n, cfg.batch_size)
         slots = self.sampler.capacity if poisson else cfg.batch_size
         self.slots = -(-slots // n_devices) * n_devices  # every device gets the same number of slots
+        if self.formal_guarantee and poisson:
+            # the epsilon of record of the run as planned (dp_accounting from scratch at full resolution): composed
+            # now, so that its time and memory are spent before the first step rather than after the last; the
+            # ledger's own from-scratch call at the end finds it (accounting._EPSILONS). A calibrated sigma: free,
+            # calibration composed it.
+            accounting.epsilon_of_record(self.noise_multiplier, self.sampling_rate, self.steps, cfg.delta,
+                                         cfg.accountant)
         # per-row epsilon: composed incrementally at a resolution that keeps a row in milliseconds (running_accountant)
         self._row_accountant = None if not self.formal_guarantee else RunningAccountant(
             cfg.accountant, row_interval(self.planned_epsilon), block=cfg.log_every)
