@@ -185,8 +185,12 @@ def epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: fl
         return math.inf
     if accountant == "pld":
         _check_pld_work(sigma, q, steps, delta)
-    key = ((("count", steps), ("noise_multiplier", sigma), ("sampling", "poisson"), ("sampling_rate", q)),)
-    return float(_composed(key, accountant).get_epsilon(delta))
+    return _from_scratch_epsilon(_poisson_key(sigma, q, steps), delta, accountant)
+
+
+def _poisson_key(sigma: float, q: float, steps: int) -> tuple:
+    """The mechanism key (:func:`_mechanism_key`) of a ledger of ``steps`` Poisson steps at (sigma, q)."""
+    return ((("count", steps), ("noise_multiplier", sigma), ("sampling", "poisson"), ("sampling_rate", q)),)
 
 
 def calibrate_noise(target_epsilon: float, sampling_rate: float, steps: int, delta: float, accountant: str = "pld",
@@ -222,11 +226,18 @@ def _calibrate(target: float, q: float, steps: int, delta: float, accountant: st
 
     def eps(s: float) -> float:
         if sampling == "poisson":   # checked above; trial sigmas below the answer may exceed the PLD limits briefly
-            return _event_epsilon(_poisson_event(s, q, steps), delta, accountant) if s > 0 else math.inf
+            if s <= 0:
+                return math.inf
+            # from scratch, exactly as the ledger of a run at sigma s is composed, and remembered: the trainer's
+            # epsilon of record for the calibrated sigma is then this very value (_from_scratch_epsilon)
+            key = _poisson_key(s, q, steps)
+            return _from_scratch_epsilon(key, delta, accountant, lambda: _compose_from_scratch(key, accountant))
         return epsilon(s, q, steps, delta, accountant, sampling=sampling, dataset_size=dataset_size)
 
-    # RDP is cheap and (up to discretisation) never below PLD, so its answer is a good upper starting point for PLD.
-    start = calibrate_noise(target, q, steps, delta, "rdp", rtol=0.05) if accountant == "pld" else 1.0
+    # RDP is cheap and (up to discretisation) never below PLD, so its answer is a good upper starting point for PLD;
+    # integer orders only (START_RDP_ORDERS): a few milliseconds per trial sigma instead of ~0.2 s (fractional
+    # orders are series), and the start need not be tight (the coarse search below moves from it).
+    start = _rdp_start(target, q, steps, delta) if accountant == "pld" else 1.0
     interval = coarse_interval(target)
     if accountant == "pld" and sampling == "poisson" and interval > 1e-4:
         # Locate sigma with a coarse PLD (milliseconds per call), then settle it at full resolution: usually two
@@ -240,6 +251,22 @@ def _calibrate(target: float, q: float, steps: int, delta: float, accountant: st
         if eps(start) <= target and eps(start * (1.0 - rtol)) > target:
             return start
     return _bracket_search(eps, target, start, 0.8 if accountant == "pld" else 0.5, rtol)
+
+
+START_RDP_ORDERS = tuple(range(2, 65)) + (128, 256)   # the RDP orders of calibration's starting point (_rdp_start)
+
+
+def _rdp_start(target: float, q: float, steps: int, delta: float) -> float:
+    """Noise multiplier (to 5%) whose RDP bound over ``START_RDP_ORDERS`` meets ``target``: where calibration's PLD
+    search starts. A bound over fewer orders is still an upper bound on epsilon, only possibly looser, so the start
+    is still (up to PLD discretisation) on the safe side of the answer."""
+    def bound(s: float) -> float:
+        acc = rdp.RdpAccountant(list(START_RDP_ORDERS))
+        acc.compose(_poisson_event(s, q, steps))
+        return float(acc.get_epsilon(delta))
+
+    with quiet_rdp_warnings():
+        return _bracket_search(bound, target, 1.0, 0.5, 0.05)
 
 
 def coarse_interval(eps: float) -> float:
@@ -423,16 +450,31 @@ def planned_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, d
     return min(upper, float(coarse.get_epsilon(delta)))
 
 
+def epsilon_of_record(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
+                      accountant: str = "pld") -> float:
+    """What :meth:`PrivacyLedger.epsilon` will report for ``steps`` Poisson steps at (sigma, q) whose truncation
+    charge stays within ``TRUNCATION_SHARE`` of delta (the trainer's batch cap sees to it): ``dp_accounting``'s
+    from-scratch composition at ``delta * (1 - TRUNCATION_SHARE)``, at its default resolution. Computed now and
+    remembered (``_EPSILONS``; the composition itself is not kept), so that the ledger's own call finds it: the
+    trainer asks before training, spending the time and memory of the composition before the first step instead of
+    after the last (free for a calibrated sigma, which calibration already composed)."""
+    sigma, q, steps, delta = _check_noise(noise_multiplier), _check_rate(sampling_rate), _check_steps(steps), \
+        _check_delta(delta)
+    _check_accountant(accountant)
+    if steps == 0 or sigma == 0:
+        return 0.0 if steps == 0 else math.inf
+    key = _poisson_key(sigma, q, steps)
+    return _from_scratch_epsilon(key, delta * (1.0 - TRUNCATION_SHARE), accountant,
+                                 lambda: _compose_from_scratch(key, accountant))
+
+
 def _mechanism_key(entries: tuple) -> tuple:
     """The composed mechanism of a ledger given as a tuple of entries: counts kept, truncation dropped."""
     return tuple(tuple(sorted((k, v) for k, v in e if k != "truncation_probability")) for e in entries)
 
 
-@functools.lru_cache(maxsize=3)
-def _composed(key: tuple, accountant: str) -> dp_accounting.PrivacyAccountant:
-    """``dp_accounting`` accountant that has composed the ledger ``key`` from scratch (memoised, a few only: a PLD
-    of a long run holds millions of points; calibration, the planned epsilon of a run and its final epsilon are the
-    repeated requests)."""
+def _compose_from_scratch(key: tuple, accountant: str) -> dp_accounting.PrivacyAccountant:
+    """``dp_accounting`` accountant (default resolution) that has composed the ledger ``key`` from scratch."""
     ledger = PrivacyLedger()
     ledger.entries = [dict(e) for e in key]
     replace_one = ledger.entries[0]["sampling"] == "fixed-size"
@@ -449,12 +491,36 @@ def _composed(key: tuple, accountant: str) -> dp_accounting.PrivacyAccountant:
     return acc
 
 
+# memoised, a few only (a PLD of a long run holds millions of points): certified_epsilon's fixed-point iteration asks
+# one composition at several deltas
+_composed = functools.lru_cache(maxsize=3)(_compose_from_scratch)
+
+# (mechanism key, delta, accountant) -> epsilon from scratch at the accountant's default resolution. Floats only (the
+# compositions are not kept): calibration fills it for the sigmas it tries, so the epsilon of record of a calibrated
+# run -- the same composition at the same delta -- costs nothing at the end of training.
+_EPSILONS: dict[tuple, float] = {}
+_EPSILONS_MAX = 256
+
+
+def _from_scratch_epsilon(key: tuple, delta: float, accountant: str, compose=None) -> float:
+    """``dp_accounting``'s epsilon at ``delta`` of the ledger ``key`` composed from scratch (memoised in
+    ``_EPSILONS``). ``compose()``: the accountant to use on a miss (default: :func:`_composed`, kept for the next
+    delta); a caller that does not need the composition again passes :func:`_compose_from_scratch`."""
+    memo = (key, float(delta), accountant)
+    if memo not in _EPSILONS:
+        acc = compose() if compose is not None else _composed(key, accountant)
+        if len(_EPSILONS) >= _EPSILONS_MAX:
+            del _EPSILONS[next(iter(_EPSILONS))]
+        _EPSILONS[memo] = float(acc.get_epsilon(delta))
+    return _EPSILONS[memo]
+
+
 @functools.lru_cache(maxsize=256)
 def _ledger_epsilon(entries: tuple, delta: float, accountant: str) -> float:
     """Epsilon of a ledger given as a hashable tuple of its entries, composed from scratch by ``dp_accounting``."""
-    acc = _composed(_mechanism_key(entries), accountant)
+    key = _mechanism_key(entries)
     mass = math.fsum(dict(e).get("truncation_probability", 0.0) * dict(e)["count"] for e in entries)
-    return certified_epsilon(lambda d: float(acc.get_epsilon(d)), mass, delta)
+    return certified_epsilon(lambda d: _from_scratch_epsilon(key, d, accountant), mass, delta)
 
 
 class PrivacyLedger:

@@ -652,6 +652,14 @@ class Trainer:
             self.sampler = FixedSizeSampler(n, cfg.batch_size)
         slots = self.sampler.capacity if poisson else cfg.batch_size
         self.slots = -(-slots // n_devices) * n_devices  # every device gets the same number of slots
+        if self.formal_guarantee and poisson:
+            # the epsilon of record of the run as planned (dp_accounting from scratch at full resolution): composed
+            # now, so that its time and memory are spent before the first step rather than after the last; the
+            # ledger's own from-scratch call at the end finds it (accounting._EPSILONS). A calibrated sigma: free,
+            # calibration composed it.
+            accounting.epsilon_of_record(self.noise_multiplier, self.sampling_rate, self.steps, cfg.delta,
+                                         cfg.accountant)
+            _release_free_memory()   # the composition's arrays are freed: hand their pages back (glibc keeps them)
         # per-row epsilon: composed incrementally at a resolution that keeps a row in milliseconds (running_accountant)
         self._row_accountant = None if not self.formal_guarantee else RunningAccountant(
             cfg.accountant, row_interval(self.planned_epsilon), block=cfg.log_every)
@@ -911,17 +919,20 @@ class Trainer:
         import orbax.checkpoint as ocp
 
         leaves = list(jax.tree.leaves((params, opt_state)))   # sharded arrays: every process writes its shards
+        key, step_array = np.asarray(jax.random.key_data(self.init_key)), np.asarray(step, np.int64)
+        meta = ocp.args.JsonSave({"step": step, "ledger": ledger.to_dict(),
+                                  "config": _jsonable(self.config.to_dict())})
         if jax.process_count() == 1:
-            # Saved as host (numpy) copies, which orbax writes with its numpy handler. Its jax.Array handler reads
-            # tensorstore's I/O metrics (``experimental_collect_matching_metrics``) twice per save, and with
-            # tensorstore 0.1.86 every call leaks the metric dicts it returns: ~20 KB of resident memory per save,
-            # never freed (issue 20). Restores are unchanged: the abstract target makes them jax.Arrays again.
-            leaves = jax.device_get(leaves)
-        state = {"leaves": leaves, "key": np.asarray(jax.random.key_data(self.init_key)),
-                 "step": np.asarray(step, np.int64)}
-        meta = {"step": step, "ledger": ledger.to_dict(), "config": _jsonable(self.config.to_dict())}
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                     force=True)
+            # One process: host copies written by numpy into one .npz (HOST_ITEM), not through tensorstore. With
+            # tensorstore 0.1.86 orbax's array handlers leak on every save: the I/O metrics its jax.Array handler
+            # reads (``experimental_collect_matching_metrics``, ~20 KB per save) and the kvstore specs it resolves
+            # (``KvStore.Spec.to_json``, per array; numpy leaves through OCDBT still ~15 KB per save). Issue 20.
+            save_args, _ = _host_arrays_args()
+            state = save_args(arrays={"leaves": jax.device_get(leaves), "key": key, "step": step_array})
+            manager.save(step, args=ocp.args.Composite(**{HOST_ITEM: state, "meta": meta}), force=True)
+        else:
+            state = {"leaves": leaves, "key": key, "step": step_array}
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=meta), force=True)
         manager.wait_until_finished()
 
     def _check_same_run(self, saved: dict) -> None:
@@ -973,8 +984,11 @@ class Trainer:
                     continue
                 self._check_same_run(saved_config)   # another run's checkpoint: refuse, touching nothing
                 try:
-                    state = manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract)))["state"]
+                    if (directory / str(step) / HOST_ITEM).is_dir():   # one process's host copies (_save)
+                        state = _restore_host_arrays(manager, step, abstract)
+                    else:
+                        state = manager.restore(step, args=ocp.args.Composite(
+                            state=ocp.args.StandardRestore(abstract)))["state"]
                     if int(state["step"]) != step or meta["step"] != step:
                         raise ValueError(f"step mismatch in checkpoint {step}")
                 except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
@@ -1148,6 +1162,82 @@ class Trainer:
             models.pretrained.save(export_model, cfg.export)
             rundir.copy_hf_extras(_hf_path(cfg), cfg.export)
         return result
+
+
+HOST_ITEM = "host_state"   # checkpoint item of single-process runs: params, optimizer state, key, step in one .npz
+HOST_FILE = "arrays.npz"
+
+
+@functools.cache
+def _host_arrays_args():
+    """``(HostArraysSave, HostArraysRestore)``: orbax args of a handler that writes a checkpoint's host arrays with
+    ``numpy.savez`` into one file of the checkpoint's (temporary, then renamed) item directory, and reads them back.
+    Defined on first use: orbax is imported lazily."""
+    import orbax.checkpoint as ocp
+
+    class HostArraysHandler(ocp.CheckpointHandler):
+        def save(self, directory, args):
+            flat = {"key": args.arrays["key"], "step": args.arrays["step"]}
+            flat.update({f"leaf_{i}": np.asarray(x) for i, x in enumerate(args.arrays["leaves"])})
+            with open(Path(directory) / HOST_FILE, "wb") as f:
+                np.savez(f, **flat)
+
+        def restore(self, directory, args=None):
+            with np.load(Path(directory) / HOST_FILE, allow_pickle=False) as data:
+                count = sum(1 for name in data.files if name.startswith("leaf_"))
+                return {"leaves": [data[f"leaf_{i}"] for i in range(count)], "key": data["key"],
+                        "step": data["step"]}
+
+    @ocp.args.register_with_handler(HostArraysHandler, for_save=True)
+    @dataclasses.dataclass
+    class HostArraysSave(ocp.args.CheckpointArgs):
+        arrays: dict
+
+    @ocp.args.register_with_handler(HostArraysHandler, for_restore=True)
+    @dataclasses.dataclass
+    class HostArraysRestore(ocp.args.CheckpointArgs):
+        pass
+
+    return HostArraysSave, HostArraysRestore
+
+
+def _restore_host_arrays(manager, step: int, abstract: dict) -> dict:
+    """A single-process checkpoint (:data:`HOST_ITEM`) as ``abstract`` describes it: shapes and dtypes checked,
+    leaves placed with their target shardings. numpy writes extension dtypes (bfloat16) as raw bytes; they are
+    viewed back as the target dtype."""
+    import orbax.checkpoint as ocp
+
+    _, restore_args = _host_arrays_args()
+    host = manager.restore(step, args=ocp.args.Composite(**{HOST_ITEM: restore_args()}))[HOST_ITEM]
+    if len(host["leaves"]) != len(abstract["leaves"]):
+        raise ValueError(f"checkpoint holds {len(host['leaves'])} arrays, this run has {len(abstract['leaves'])}")
+
+    def check(value, spec):
+        value = np.asarray(value)
+        dtype = np.dtype(spec.dtype)
+        if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
+            value = value.view(dtype)
+        if value.shape != tuple(spec.shape) or value.dtype != dtype:
+            raise ValueError(f"array {value.shape} {value.dtype} where {tuple(spec.shape)} {dtype} was expected")
+        return value
+
+    leaves = [jax.device_put(check(v, spec), spec.sharding) for v, spec in zip(host["leaves"], abstract["leaves"])]
+    return {"leaves": leaves, "key": check(host["key"], abstract["key"]),
+            "step": check(host["step"], abstract["step"])}
+
+
+def _release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``; nothing elsewhere). After a large transient
+    allocation (a full-resolution PLD composition, ~100 MB at 20,000 steps), glibc otherwise keeps most of the
+    freed pages resident for the rest of the run."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc (musl)
+        pass
 
 
 def _cast_inputs(batch: dict, dtype) -> dict:

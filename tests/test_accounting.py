@@ -71,6 +71,45 @@ def test_calibrate_noise_round_trip(accountant, target):
     assert acc.epsilon(sigma * 0.99, q, steps, DELTA, accountant=accountant) > target * 0.98
 
 
+@pytest.mark.parametrize("target,q,steps", [(3.0, 256 / 1437, 300), (8.0, 256 / 1437, 1000), (50.0, 256 / 1437, 3000)])
+def test_calibration_against_dp_accounting(target, q, steps, monkeypatch):
+    """The calibrated sigma meets the target and sigma * (1 - rtol) does not, by dp_accounting from scratch at its
+    default resolution; the epsilon of a ledger at that sigma is that same composition, remembered from
+    calibration (nothing composed again) and equal to a fresh one."""
+    delta, rtol = DELTA * (1 - acc.TRUNCATION_SHARE), 5e-3
+
+    def scratch(sigma):
+        a = pld.PLDAccountant()
+        a.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        return a.get_epsilon(delta)
+
+    acc._calibrate.cache_clear()
+    acc._EPSILONS.clear()
+    sigma = acc.calibrate_noise(target, q, steps, delta)
+    expected = scratch(sigma)
+    assert expected <= target < scratch(sigma * (1 - rtol))
+    composed = []
+    for name in ("_compose_from_scratch", "_composed"):
+        original = getattr(acc, name)
+        monkeypatch.setattr(acc, name, lambda *a, _f=original: composed.append(a) or _f(*a))
+    ledger = acc.PrivacyLedger()
+    ledger.record(sigma, q, steps=steps)
+    assert ledger.epsilon(delta) == expected and composed == []
+
+
+def test_calibration_start_is_an_upper_rdp_bound():
+    """Calibration starts its PLD search from an RDP bound over integer orders only: never below the bound over
+    dp_accounting's default orders (fewer orders, a looser bound), so the start stays on the safe side."""
+    q, steps, delta = 256 / 1437, 3000, DELTA
+    start = acc._rdp_start(50.0, q, steps, delta)
+    full = rdp.RdpAccountant()
+    full.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(start)), steps)
+    few = rdp.RdpAccountant(list(acc.START_RDP_ORDERS))
+    few.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(start)), steps)
+    assert few.get_epsilon(delta) <= 50.0
+    assert full.get_epsilon(delta) <= few.get_epsilon(delta)
+
+
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_max_steps_consistent(accountant):
     sigma, q, target = 1.0, 0.02, 2.0

@@ -8,8 +8,11 @@ sum eta)-DP), never this library's earlier output.
 import json
 import math
 import re
+import shutil
 
 import dp_accounting
+import jax
+import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 
@@ -116,6 +119,25 @@ def test_calibration_settles_at_full_resolution():
     assert scratch([(sigma * (1 - rtol), q, steps)], "pld").get_epsilon(DELTA) > target
 
 
+@pytest.mark.parametrize("privacy", [{"epsilon": 20.0}, {"noise_multiplier": 1.2}])
+def test_epsilon_of_record_is_composed_before_training(tmp_path, monkeypatch, privacy):
+    """The epsilon of record is dp_accounting's from-scratch composition of the ledger at full resolution. For the
+    run as planned it is composed before training (by calibration, for a calibrated sigma): the end of training
+    composes nothing, and the value is the from-scratch one."""
+    steps = 300
+    trainer = Trainer(TrainConfig(out=str(tmp_path), steps=steps, log_every=100, progress=False, plot=False,
+                                  checkpoint_every=0, **privacy))
+    composed = []
+    for name in ("_compose_from_scratch", "_composed"):
+        original = getattr(acc, name)
+        monkeypatch.setattr(acc, name, lambda *a, _f=original: composed.append(a) or _f(*a))
+    result = trainer.run()
+    assert composed == []
+    eta = trainer.sampler.truncation_probability
+    expected = certified_reference([(trainer.noise_multiplier, Q, steps)], eta, "pld")
+    assert result.epsilon == pytest.approx(expected, rel=1e-12) and result.epsilon <= privacy.get("epsilon", 1e9)
+
+
 # --------------------------------------------------------------------------- the batch cap
 DIGITS_N, BATCH = 1437, 256
 Q = BATCH / DIGITS_N
@@ -206,3 +228,68 @@ def test_noise_multiplier_training_3000_steps_matches_privacy_cli(tmp_path, caps
     assert cli_cap == summary["batch_cap"] and cli_eps == pytest.approx(summary["epsilon"], abs=5e-5)
     eta = PoissonSampler(DIGITS_N, Q, capacity=summary["batch_cap"]).truncation_probability
     assert summary["epsilon"] == pytest.approx(certified_reference([(sigma, Q, steps)], eta, "pld"), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- steady state: checkpoints
+CKPT_RUN = dict(steps=20, batch_size=64, log_every=5, checkpoint_every=10, progress=False, plot=False, epsilon=3.0)
+
+
+def _same_params(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_single_process_checkpoints_bypass_tensorstore(tmp_path, monkeypatch):
+    """Saving through tensorstore leaked on every save (tensorstore 0.1.86: the I/O metrics orbax reads and the
+    kvstore specs it resolves per array, ~15-35 KB per save): a single process writes its host copies with numpy,
+    and resuming from them reproduces the uninterrupted run."""
+    import tensorstore
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    from dpzero_jax.train import HOST_FILE, HOST_ITEM
+
+    calls = []
+    for module, name in ((tensorstore, "experimental_collect_matching_metrics"),
+                         (tensorstore_utils, "build_kvstore_tspec")):
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    full = Trainer(TrainConfig(out=str(tmp_path / "full"), **CKPT_RUN)).run()
+    assert calls == []
+    for step in ("10", "20"):
+        assert (tmp_path / "full" / "checkpoints" / step / HOST_ITEM / HOST_FILE).is_file()
+    cfg = TrainConfig(out=str(tmp_path / "part"), **CKPT_RUN)
+    Trainer(cfg).run(stop_at=10)
+    resumed = Trainer(cfg).run(resume=True)
+    _same_params(resumed.params, full.params)
+    assert resumed.epsilon == full.epsilon
+
+
+def test_resume_from_checkpoint_in_the_tensorstore_format(tmp_path):
+    """Checkpoints written before (orbax's StandardSave item ``state``) still resume."""
+    import orbax.checkpoint as ocp
+
+    from dpzero_jax.train import HOST_FILE, HOST_ITEM
+
+    full = Trainer(TrainConfig(out=str(tmp_path / "full"), **{**CKPT_RUN, "checkpoint_every": 0})).run()
+    cfg = TrainConfig(out=str(tmp_path / "part"), **CKPT_RUN)
+    Trainer(cfg).run(stop_at=10)
+    directory = (tmp_path / "part" / "checkpoints").absolute()
+    with np.load(directory / "10" / HOST_ITEM / HOST_FILE) as data:
+        count = sum(1 for name in data.files if name.startswith("leaf_"))
+        state = {"leaves": [data[f"leaf_{i}"] for i in range(count)], "key": data["key"], "step": data["step"]}
+    meta = json.loads((directory / "10" / "meta" / "metadata").read_text())
+    shutil.rmtree(directory)
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        create=True, enable_async_checkpointing=False))
+    manager.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    manager.close()
+    assert not (directory / "10" / HOST_ITEM).exists()
+    resumed = Trainer(cfg).run(resume=True)
+    _same_params(resumed.params, full.params)
+    assert resumed.epsilon == full.epsilon
