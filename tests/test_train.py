@@ -69,6 +69,24 @@ def test_damaged_latest_checkpoint_falls_back(uninterrupted, tmp_path):
     assert resumed.epsilon == full.epsilon
 
 
+def test_flipped_bytes_inside_the_array_data_are_caught(uninterrupted, tmp_path):
+    """Damage inside the largest data file of the latest checkpoint (not its metadata): the arrays' CRC-32 catches
+    it, the checkpoint is skipped and the run resumes from the previous one (it used to train on the damage)."""
+    full_out, full = uninterrupted
+    shutil.copytree(full_out / "checkpoints", tmp_path / "checkpoints")
+    shutil.copy(full_out / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    largest = max((p for p in (tmp_path / "checkpoints" / "20").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 256] = bytes(b ^ 0xFF for b in data[middle:middle + 256])
+    largest.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="skipping unreadable checkpoint at step 20.*CRC"):
+        resumed = Trainer(TrainConfig(out=str(tmp_path), **TINY)).run(resume=True)
+    _assert_same_params(resumed.params, full.params)
+    assert resumed.epsilon == full.epsilon
+
+
 def test_all_checkpoints_damaged_is_a_clear_error(uninterrupted, tmp_path):
     full_out, _ = uninterrupted
     shutil.copytree(full_out / "checkpoints", tmp_path / "checkpoints")
