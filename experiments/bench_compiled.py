@@ -275,6 +275,9 @@ DP_CANDIDATES = {
     "ghost": dict(mode="ghost"),
     "fused": dict(mode="fused", groups="layer-wise"),
     "vmap": dict(mode="vmap"),
+    # the same model planned from its traced program instead of its dz.nn layer calls (dpzero_jax.program)
+    "program_bk": dict(mode="bk", front_end="program"),
+    "program_ghost": dict(mode="ghost", front_end="program"),
 }
 # Mosaic kernels cannot be partitioned by GSPMD: these run the engine per device inside ``jax.shard_map``
 # (``clipped_grad_sum`` on the local examples, ``psum`` over the mesh, noise added once), the project's "explicit"
@@ -287,7 +290,8 @@ PEERS = ("jax_privacy", "optax")
 # a cached point older than its candidate's version is compiled again (2: shard_map with check_vma=False)
 VERSIONS = {"bk_shmap": 2, "bk_pallas": 2}
 # compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
-CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap", "fused")
+CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap", "fused",
+              "program_bk", "program_ghost")
 assert set(CANDIDATES) == {"nonprivate", *DP_CANDIDATES, *SHMAP_CANDIDATES, *PEERS}
 SMOKE_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "vmap", "bk_shmap", "bk_pallas", "jax_privacy", "optax")
 MAX_BATCH_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "jax_privacy", "optax")
