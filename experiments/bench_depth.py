@@ -11,8 +11,9 @@ Per depth ``L`` and layout the script measures, in one process:
 * **compile**: ``jit(f).lower(args).compile()`` wall time (trace + planning + XLA), non-DP and DP, and the ratio;
 * **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round;
 * **memory**: ``compiled.memory_analysis().temp_size_in_bytes`` of the DP step against the non-DP step; on the
-  ``scan+remat`` row (``nn.remat`` around every block, at the first depth) also of ``mode="ghost"``, whose norms
-  come out of the rematerialised backward (``auto`` resolves to book-keeping, which keeps every site's operands).
+  ``scan+remat`` row (``nn.remat`` around every block, at the first depth) also of ``mode="ghost"`` (what ``auto``
+  picks there: its norms come out of the rematerialised backward) and ``mode="bk"`` (which keeps every site's
+  operands).
 
 The non-DP step is ``jax.value_and_grad`` of the mean per-example loss. Targets from the issue (printed, stored):
 at ``L = 48`` scanned, compile ratio <= 1.5 and step ratio <= 1.05.
@@ -148,7 +149,7 @@ def main(argv=None):
         [("unrolled", L, False) for L in unrolled]
     for layout, layers, remat in cases:
         params, batch, loss_fn = setup(layers, scan=layout != "unrolled", remat=remat)
-        pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost") if remat else ("auto",))
+        pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",))
         ratio, t_nondp, t_dp = step_ratio(pair, args.rounds)
         mem = {name: pair[name][0].memory_analysis() for name in pair}
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
@@ -158,14 +159,17 @@ def main(argv=None):
                "temp_ratio": temp["dp"] / max(temp["nondp"], 1)}
         if "ghost" in temp:
             row.update(temp_ghost_bytes=temp["ghost"], temp_ghost_ratio=temp["ghost"] / max(temp["nondp"], 1),
-                       compile_ghost_s=pair["ghost"][2])
+                       compile_ghost_s=pair["ghost"][2], temp_bk_bytes=temp["bk"],
+                       temp_bk_ratio=temp["bk"] / max(temp["nondp"], 1))
         rows.append(row)
         print(f"{layout:<10} {layers:>3} {row['compile_nondp_s']:>16.2f} {row['compile_dp_s']:>12.2f} "
               f"{row['compile_ratio']:>9.2f} {1e3 * t_nondp:>14.1f} {1e3 * t_dp:>10.1f} {ratio:>7.3f} "
               f"{temp['nondp'] / 2**20:>15.1f} {temp['dp'] / 2**20:>11.1f} {row['temp_ratio']:>7.2f}", flush=True)
-        if "ghost" in temp:
-            print(f"{'  ghost':<10} {layers:>3} {'':>16} {pair['ghost'][2]:>12.2f} {'':>9} {'':>14} {'':>10} {'':>7} "
-                  f"{temp['nondp'] / 2**20:>15.1f} {temp['ghost'] / 2**20:>11.1f} {row['temp_ghost_ratio']:>7.2f}")
+        for mode in ("ghost", "bk"):
+            if mode in temp:
+                print(f"{'  ' + mode:<10} {layers:>3} {'':>16} {pair[mode][2]:>12.2f} {'':>9} {'':>14} {'':>10} "
+                      f"{'':>7} {temp['nondp'] / 2**20:>15.1f} {temp[mode] / 2**20:>11.1f} "
+                      f"{temp[mode] / max(temp['nondp'], 1):>7.2f}")
     deepest = max(args.depths)
     target = [r for r in rows if r["layout"] == "scan" and r["layers"] == deepest]
     targets = {}

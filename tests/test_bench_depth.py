@@ -21,7 +21,8 @@ def test_bench_depth_quick_writes_its_table(tmp_path, capsys):
     layouts = {(row["layout"], row["layers"]) for row in result["rows"]}
     assert {("scan", 2), ("scan", 4), ("scan+remat", 2), ("unrolled", 2)} <= layouts
     remat = next(row for row in result["rows"] if row["layout"] == "scan+remat")
-    assert remat["temp_ghost_bytes"] < remat["temp_dp_bytes"]      # ghost keeps no operands inside remat blocks
+    assert remat["temp_ghost_bytes"] < remat["temp_bk_bytes"]      # ghost keeps no operands inside remat blocks
+    assert remat["temp_dp_bytes"] == remat["temp_ghost_bytes"]     # auto picks ghost there
     assert "x compile" in capsys.readouterr().out
 
 
