@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
-from dpzero_jax.program.interpret import add_probe, bind, run
+from dpzero_jax.program.interpret import add_probe, run
 
 
 def eligible(plan) -> frozenset:
@@ -43,21 +43,8 @@ def eligible(plan) -> frozenset:
                      if count[site.view.leaf] == 1 and "const" not in site.view.levels)
 
 
-def _assemble(site, w, ops):
-    values, k = [], 0
-    for i, var in enumerate(site.eqn.invars):
-        if i == site.param_operand:
-            values.append(w)
-        elif i in site.recorded:
-            values.append(ops[k])
-            k += 1
-        else:
-            values.append(var.val)
-    return values
-
-
 def _apply(site, w, ops):
-    return bind(site.eqn, _assemble(site, w, ops))[0]
+    return sites_lib.apply_site(site, w, ops)
 
 
 def _use_ghost(method: str, positions: int, size: int) -> bool:

@@ -207,25 +207,27 @@ def _canonical(site: Site):
     return tuple(w_shape[i] for i in perm), perm
 
 
+def apply_site(site: Site, w, ops):
+    """The site's equation on the view ``w`` and its recorded operands ``ops`` (literals as traced)."""
+    values, k = [], 0
+    for i, var in enumerate(site.eqn.invars):
+        if i == site.param_operand:
+            values.append(w)
+        elif i in site.recorded:
+            values.append(ops[k])
+            k += 1
+        else:
+            values.append(var.val)
+    return bind(site.eqn, values)[0]
+
+
 def local_grad(site: Site, operands, g, leaf):
     """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site."""
-    eqn = site.eqn
-    p = site.param_operand
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
 
     def one(ops, g_, leaf_slice):
         def through(base):
-            w = replay_chain(site, base)
-            invals, k = [], 0
-            for i, v in enumerate(eqn.invars):
-                if i == p:
-                    invals.append(w)
-                elif i in site.recorded:
-                    invals.append(ops[k])
-                    k += 1
-                else:
-                    invals.append(v.val)
-            return bind(eqn, invals)[0]
+            return apply_site(site, replay_chain(site, base), ops)
 
         _, pullback = jax.vjp(through, leaf_slice)
         return pullback(g_.astype(site.out_aval.dtype))[0].astype(jnp.float32)
