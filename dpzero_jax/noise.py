@@ -2,8 +2,8 @@
 
 ``G = (sum_i C_i g_i + std * N(0, I)) / expected_batch_size`` with ``std = noise_multiplier * ||(R_1..R_M)||``.
 Leaf ``j`` of the gradient pytree draws its noise from ``jax.random.fold_in(key, j)`` (with the blocked generator,
-the small leaves together from ``fold_in(key, number of leaves)``), so every coordinate is drawn exactly once from
-the key the caller passes. Two generators (``DPConfig.noise_rng``):
+the small leaves together from ``fold_in(key, number of leaves)``; see :func:`add_noise_and_normalise`), so every
+coordinate is drawn exactly once from the key the caller passes. Two generators (``DPConfig.noise_rng``):
 
 * ``"blocked"``: XLA's ``RngBitGenerator`` (Threefry), block by block in place (:func:`standard_normal`); fastest on
   one device, but its values depend on the block layout, not on a coordinate's global index.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpzero_jax.clipping import l2_sensitivity
 
@@ -64,32 +65,44 @@ NOISE_RNGS = ("blocked", "partitionable")
 def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_size: float, rng: str = "blocked"):
     """``(clipped_sum + std * N(0, I)) / expected_batch_size`` leaf by leaf.
 
-    Leaf ``j`` draws from ``fold_in(key, j)`` with the generator ``rng`` (module doc); with ``"blocked"``, the leaves
-    of at most ``NOISE_BLOCK`` elements are instead concatenated in flatten order and drawn as one vector from
-    ``fold_in(key, number of leaves)``. Every coordinate is still drawn exactly once. Computed in float32 and cast
-    back to each leaf's dtype.
+    With ``"partitionable"``, leaf ``j`` draws from ``fold_in(key, j)``. With ``"blocked"``, the leaves of at most
+    ``NOISE_BLOCK`` elements are concatenated in flatten order into one vector ``s`` whose key is ``fold_in(key,
+    number of leaves)``; the other leaves keep ``fold_in(key, j)``. Without large leaves, ``s`` is one draw from its
+    key; otherwise ``s`` and every large leaf are drawn block by block (block ``c`` from ``fold_in(its key, c)``) by
+    one loop (:func:`_noised_vectors`). Every coordinate is drawn exactly once. Computed in float32 and cast back to
+    each leaf's dtype.
     """
     if rng not in NOISE_RNGS:
         raise ValueError(f"noise rng must be one of {NOISE_RNGS}, got {rng!r}")
     if rng == "partitionable" and not jax.config.jax_threefry_partitionable:
         raise ValueError("noise_rng='partitionable' needs jax.config.jax_threefry_partitionable=True (the default); "
                          "it was turned off")
-    noised = _noised_leaf if rng == "blocked" else _noised_leaf_partitionable
     leaves, treedef = jax.tree.flatten(clipped_sum)
-    small = [j for j, leaf in enumerate(leaves) if leaf.size <= NOISE_BLOCK] if rng == "blocked" else []
+    if not leaves:
+        return clipped_sum
+    if rng == "partitionable":
+        return jax.tree.unflatten(treedef, [
+            _noised_leaf_partitionable(leaf, jax.random.fold_in(key, j), std, expected_batch_size).astype(leaf.dtype)
+            for j, leaf in enumerate(leaves)])
+    small = [j for j, leaf in enumerate(leaves) if leaf.size <= NOISE_BLOCK]
+    large = [j for j, leaf in enumerate(leaves) if leaf.size > NOISE_BLOCK]
+    # The small leaves (biases, norm scales, small kernels) are drawn together as one more vector, from a key no leaf
+    # uses; with the large ones, everything comes from one generator (each costs ~0.5 s of XLA compile time on CPU).
+    vectors = [leaves[j] for j in large]
+    if small:
+        vectors.append(jnp.concatenate([leaves[j].reshape(-1).astype(jnp.float32) for j in small]))
+    if large:
+        noised = _noised_vectors(vectors, key, large + [len(leaves)] * bool(small), std, expected_batch_size)
+    else:   # small leaves only: one draw of exactly their size
+        normal = standard_normal(jax.random.fold_in(key, len(leaves)), vectors[0].shape)
+        noised = [(vectors[0] + std * normal) / expected_batch_size]
     out = [None] * len(leaves)
-    if len(small) > 1:
-        # One draw for all the small leaves (biases, norm scales, small kernels): one generator in the program
-        # instead of one per leaf (each costs ~0.2 s of XLA compile time on CPU), from a key no leaf uses.
-        flat = jnp.concatenate([leaves[j].reshape(-1).astype(jnp.float32) for j in small])
-        flat = noised(flat, jax.random.fold_in(key, len(leaves)), std, expected_batch_size)
-        offset = 0
-        for j in small:
-            out[j] = flat[offset:offset + leaves[j].size].reshape(leaves[j].shape).astype(leaves[j].dtype)
-            offset += leaves[j].size
-    for j, leaf in enumerate(leaves):
-        if out[j] is None:
-            out[j] = noised(leaf, jax.random.fold_in(key, j), std, expected_batch_size).astype(leaf.dtype)
+    for j, value in zip(large, noised):
+        out[j] = value.astype(leaves[j].dtype)
+    offset = 0
+    for j in small:
+        out[j] = noised[-1][offset:offset + leaves[j].size].reshape(leaves[j].shape).astype(leaves[j].dtype)
+        offset += leaves[j].size
     return jax.tree.unflatten(treedef, out)
 
 
@@ -115,22 +128,28 @@ def _noised_leaf_partitionable(leaf: jax.Array, key: jax.Array, std, expected_ba
 NOISE_BLOCK = 1 << 16   # elements per draw for large leaves; part of the definition of the noise for a given key
 
 
-def _noised_leaf(leaf: jax.Array, key: jax.Array, std, expected_batch_size: float) -> jax.Array:
-    """``(leaf + std * N(0, I)) / expected_batch_size`` in float32.
+def _noised_vectors(leaves, key: jax.Array, indices, std, expected_batch_size: float) -> list[jax.Array]:
+    """``(leaf + std * N(0, I)) / expected_batch_size`` in float32 for each of ``leaves``.
 
-    A leaf larger than ``NOISE_BLOCK`` is noised block by block in place (block ``c`` from ``fold_in(key, c)``):
-    drawing it in one go would make XLA keep a second copy of the gradient alive.
+    Each leaf is noised block by block in place, block ``c`` of ``leaves[j]`` from ``fold_in(fold_in(key,
+    indices[j]), c)``: drawing a large leaf in one go would make XLA keep a second copy of the gradient alive. One
+    loop visits the blocks of all the leaves with one generator in its body; the block's owner is updated under a
+    ``cond``, in place.
     """
-    size = leaf.size
-    flat = leaf.reshape(-1).astype(jnp.float32)
-    if size <= NOISE_BLOCK:
-        return ((flat + std * standard_normal(key, (size,))) / expected_batch_size).reshape(leaf.shape)
-    n_blocks = -(-size // NOISE_BLOCK)
-    blocks = jnp.pad(flat, (0, n_blocks * NOISE_BLOCK - size)).reshape(n_blocks, NOISE_BLOCK)
+    n_blocks = [-(-leaf.size // NOISE_BLOCK) for leaf in leaves]
+    blocks = [jnp.pad(leaf.reshape(-1).astype(jnp.float32), (0, n * NOISE_BLOCK - leaf.size)).reshape(n, NOISE_BLOCK)
+              for leaf, n in zip(leaves, n_blocks)]
+    owner = jnp.asarray(np.repeat(np.arange(len(leaves)), n_blocks), jnp.int32)
+    leaf_index = jnp.asarray(np.repeat(np.asarray(indices), n_blocks), jnp.int32)
+    local = jnp.asarray(np.concatenate([np.arange(n) for n in n_blocks]), jnp.int32)
 
-    def noise_block(index, blocks):
-        noise = standard_normal(jax.random.fold_in(key, index), (NOISE_BLOCK,))
-        return blocks.at[index].set((blocks[index] + std * noise) / expected_batch_size)
+    def noise_block(step, blocks):
+        owner_now, c = owner[step], local[step]
+        normal = standard_normal(jax.random.fold_in(jax.random.fold_in(key, leaf_index[step]), c), (NOISE_BLOCK,))
 
-    blocks = jax.lax.fori_loop(0, n_blocks, noise_block, blocks)
-    return blocks.reshape(-1)[:size].reshape(leaf.shape)
+        def update(block_set):
+            return block_set.at[c].set((block_set[c] + std * normal) / expected_batch_size)
+        return tuple(jax.lax.cond(owner_now == j, update, lambda b: b, b) for j, b in enumerate(blocks))
+
+    blocks = jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(blocks))
+    return [b.reshape(-1)[:leaf.size].reshape(leaf.shape) for b, leaf in zip(blocks, leaves)]

@@ -119,3 +119,29 @@ def test_noise_is_added_to_the_clipped_sum_once():
     expected, _, _ = setup.reference("all-layer", "abadi", max_grad_norm=r, divisor=9.0)
     noise = {p: v - expected[p] for p, v in ref.flat(grads).items()}
     check_gaussian(noise, 0.5 * r / 9.0)
+
+
+def test_blocked_noise_follows_its_documented_definition():
+    """With leaves above ``NOISE_BLOCK``: block ``c`` of large leaf ``j`` is ``standard_normal(fold_in(fold_in(key,
+    j), c))`` and the small leaves, concatenated, are block 0 of ``fold_in(key, number of leaves)``; without large
+    leaves the small ones are one draw from ``fold_in(key, number of leaves)``. The reference draws each block here,
+    one by one."""
+    from dpzero_jax import noise
+    block = noise.NOISE_BLOCK
+    key = jax.random.key(11)
+
+    def blocks(k, size):
+        count = -(-size // block)
+        return np.concatenate([np.asarray(noise.standard_normal(jax.random.fold_in(k, c), (block,)))
+                               for c in range(count)])[:size]
+
+    leaves = [jnp.zeros(s, jnp.float32) for s in [(3,), (2, block + 5), (5,), (3 * block,)]]
+    out = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))(leaves)
+    for j in (1, 3):
+        np.testing.assert_allclose(np.asarray(out[j]).reshape(-1), 0.5 * blocks(jax.random.fold_in(key, j),
+                                                                                 leaves[j].size), atol=1e-6)
+    np.testing.assert_allclose(np.concatenate([np.asarray(out[0]), np.asarray(out[2])]),
+                               0.5 * blocks(jax.random.fold_in(key, 4), 8), atol=1e-6)
+    small = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))([leaves[0], leaves[2]])
+    np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in small]),
+                               0.5 * np.asarray(noise.standard_normal(jax.random.fold_in(key, 2), (8,))), atol=1e-6)
