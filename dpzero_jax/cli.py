@@ -155,6 +155,9 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--label-field", help="JSONL field holding the class (default label)")
     train.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's)")
     train.add_argument("--export", help="write the trained model here in Hugging Face save_pretrained format")
+    train.add_argument("--scan-layers", action="store_true",
+                       help="GPT-2 (--task causal-lm): stack the blocks and scan over them (compile time independent "
+                            "of depth)")
     train.add_argument("--dataset", choices=("digits",))
     train.add_argument("--hidden", type=_hidden, help="MLP hidden widths, e.g. 128 or 256,128")
     length = train.add_mutually_exclusive_group()

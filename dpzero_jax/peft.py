@@ -42,6 +42,7 @@ import re
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dpzero_jax import nn
@@ -88,9 +89,21 @@ class LoRA(nnx.Module):
         self.lora_a = nn.DenseGeneral(in_shape, (rank,), use_bias=False, rngs=rngs)
         self.lora_b = nn.DenseGeneral((rank,), out_shape, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
                                       rngs=rngs)
+        stack = _stack_shape(base)
+        if stack:   # a stacked (scanned) layer: one adapter per slice, drawn like the unstacked one
+            init = nnx.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))
+            self.lora_a.kernel = nnx.Param(init(jax.random.fold_in(key, 1), stack + in_shape + (rank,), jnp.float32))
+            self.lora_b.kernel = nnx.Param(jnp.zeros(stack + (rank,) + out_shape, jnp.float32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.base(x) + self.scale * self.lora_b(self.lora_a(x))
+
+
+def _stack_shape(layer: nn.Linear | nn.DenseGeneral) -> tuple[int, ...]:
+    """The leading axes of a stacked layer's kernel (layers created under ``nnx.vmap`` to be scanned), else ``()``."""
+    in_shape, out_shape = dense_shapes(layer)
+    shape = tuple(layer.kernel[...].shape)
+    return shape[:len(shape) - len(in_shape) - len(out_shape)]
 
 
 def dense_shapes(layer: nn.Linear | nn.DenseGeneral) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -244,8 +257,12 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     adapters = [tuple(path) for path, module in nnx.iter_modules(model) if isinstance(module, LoRA)]
     for path in sorted(adapters, key=len, reverse=True):  # innermost first (adapters are not nested in practice)
         lora = _node(model, path)
-        delta = jax.numpy.tensordot(lora.lora_a.kernel[...], lora.lora_b.kernel[...], axes=1)
         base = lora.base
+        stack = _stack_shape(base)
+        a, b = lora.lora_a.kernel[...], lora.lora_b.kernel[...]
+        flat_a = a.reshape((math.prod(stack), -1, lora.rank))
+        flat_b = b.reshape((math.prod(stack), lora.rank, -1))
+        delta = jnp.matmul(flat_a, flat_b).reshape(base.kernel[...].shape)
         base.kernel.set_value(base.kernel[...] + lora.scale * delta.astype(base.kernel[...].dtype))
         if path:
             _replace(model, path, base)

@@ -115,6 +115,8 @@ class TrainConfig:
     positions, at most 128), ``text_field`` / ``label_field`` of the JSONL records, ``tokenizer`` (a directory;
     None: the checkpoint's). Causal LM reports loss and perplexity instead of accuracy. ``export``: a directory
     where the trained model is written in ``save_pretrained`` format at the end (LoRA folded in).
+    ``scan_layers`` (``task="causal-lm"``): the GPT-2 blocks stacked and scanned (``GPT2Config.scan_layers``): one
+    block in the compiled step at any depth, the private gradient from the traced-program front-end.
     """
 
     model: str = "mlp"
@@ -172,6 +174,7 @@ class TrainConfig:
     progress: bool = True
     plot: bool = True
     allow_large_delta: bool = False
+    scan_layers: bool = False
 
     def __post_init__(self):
         def fail(name, expected, value):
@@ -200,6 +203,11 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} applies to model='hf:PATH' text models and must be a path, "
                                  f"got {value!r}" + ("" if self.model.startswith("hf:") else
                                                      f" with model={self.model!r}"))
+        if not isinstance(self.scan_layers, bool):
+            fail("scan_layers", "a bool", self.scan_layers)
+        if self.scan_layers and self.task != "causal-lm":
+            raise ValueError("TrainConfig.scan_layers applies to GPT-2 (task='causal-lm', model='hf:PATH'), not "
+                             f"task={self.task!r}")
         if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 2):
             fail("max_length", "an integer >= 2 or None", self.max_length)
         if self.max_length is not None and not self.model.startswith("hf:"):
@@ -445,6 +453,8 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs, label_names=None, 
             kwargs["id2label"] = label_names
         if "input_ids" in train_data and cfg.precision != "fp32":
             kwargs["dtype"] = PRECISIONS[cfg.precision]
+        if cfg.scan_layers:
+            kwargs["scan_layers"] = True
         model = models.from_pretrained(path, **kwargs)
         if isinstance(model, models.ViT):
             c, shape = model.config, train_data["image"].shape[1:]

@@ -66,11 +66,13 @@ def encoder_logits(torch_model, ids, mask, token_types):
                            token_type_ids=torch.tensor(token_types)).logits.numpy()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt2-untied"])
-def test_gpt2_logits_match_transformers_and_export_round_trips(checkpoints, name, tmp_path):
+@pytest.mark.parametrize("name,scan", [("gpt2", False), ("gpt2-untied", False), ("gpt2", True)])
+def test_gpt2_logits_match_transformers_and_export_round_trips(checkpoints, name, scan, tmp_path):
     path, torch_model = checkpoints[name]
-    model = dz.models.GPT2.from_pretrained(path)
+    model = dz.models.GPT2.from_pretrained(path, scan_layers=scan)
     assert (model.lm_head is None) == (name == "gpt2")             # tied: the head IS the word embedding
+    if scan:    # the blocks' parameters stacked on a leading [n_layer] axis
+        assert model.h.mlp.c_fc.kernel[...].shape == (2, 32, 128)
     ids = hf_helpers.token_batch(320, 3, 20, seed=3)
     expected = gpt2_logits(torch_model, ids)
     assert np.std(expected) > 0.1                                   # not a near-zero comparison
@@ -131,14 +133,14 @@ def torch_per_example_norms(torch_model, ids, mask):
     return torch.sqrt(sum(g.pow(2).flatten(1).sum(1) for g in grads.values())).numpy()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt2-untied"])
-def test_gpt2_per_example_grad_norms_match_torch_func(checkpoints, name):
+@pytest.mark.parametrize("name,scan", [("gpt2", False), ("gpt2-untied", False), ("gpt2", True)])
+def test_gpt2_per_example_grad_norms_match_torch_func(checkpoints, name, scan):
     path, torch_model = checkpoints[name]
     ids = hf_helpers.token_batch(320, 4, 16, seed=6)
     mask = np.ones_like(ids)
     mask[1, 10:] = 0                                    # a right-padded example
     expected = torch_per_example_norms(torch_model, ids, mask)
-    params, loss_fn = dz.models.lm_objective(dz.models.GPT2.from_pretrained(path))
+    params, loss_fn = dz.models.lm_objective(dz.models.GPT2.from_pretrained(path, scan_layers=scan))
     batch = {"input_ids": jnp.asarray(ids, jnp.int32), "loss_mask": jnp.asarray(mask, jnp.int32)}
     norms = ref.jit(lambda p, b: dz.per_example_grad_norms(loss_fn, p, b))(params, batch)
     np.testing.assert_allclose(np.asarray(norms), expected, rtol=RTOL)

@@ -56,6 +56,26 @@ def test_cli_dp_fine_tune_of_gpt2_reduces_held_out_loss(tmp_path, capsys):
     assert after < before - 0.3, (before, after)
 
 
+def test_cli_scanned_gpt2_with_lora_trains_and_exports(tmp_path):
+    """``--scan-layers``: the blocks stacked and scanned (private gradient from the traced-program front-end), the
+    LoRA adapters stacked with them; the export folds them in, unstacks the blocks, and ``transformers`` computes
+    the held-out loss the trainer reported."""
+    ckpt = tmp_path / "gpt2"
+    original = hf_helpers.gpt2(ckpt, n_positions=16, n_layer=2)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(hf_helpers.corpus_sample(8_000)))
+    assert main(["train", "--model", f"hf:{ckpt}", "--task", "causal-lm", "--data", str(corpus), "--max-length",
+                 "16", "--scan-layers", "--peft", "lora", "--steps", "3", "--batch-size", "16", "--epsilon", "3",
+                 "--eval-every", "3", "--out", str(tmp_path / "run"), "--export", str(tmp_path / "export"),
+                 *FAST]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    _, held_out, _ = dz.text.load_text_dataset(dz.text.load_tokenizer(ckpt), task="causal-lm", max_length=16,
+                                               pad_id=0, vocab_size=320, data=str(corpus))
+    exported = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
+    assert torch_lm_loss(exported, held_out) == pytest.approx(summary["test_loss"], rel=1e-4)
+    assert abs(torch_lm_loss(original, held_out) - summary["test_loss"]) > 1e-3     # the adapters did train
+
+
 def test_text_classification_lora_bf16_on_two_devices(tmp_path):
     ckpt = tmp_path / "bert"
     original = hf_helpers.bert(ckpt, num_labels=2, layers=1)
@@ -110,11 +130,17 @@ def test_bad_hf_options_get_clear_errors(tmp_path, capsys):
         TrainConfig(data="x.txt")
     with pytest.raises(ValueError, match="task must be one of"):
         TrainConfig(model="hf:x", task="translation")
+    with pytest.raises(ValueError, match="scan_layers applies to GPT-2"):
+        TrainConfig(scan_layers=True)
+    with pytest.raises(ValueError, match="scan_layers must be a bool"):
+        TrainConfig(model="hf:x", task="causal-lm", scan_layers="yes")
     assert main(["train", "--model", f"hf:{tmp_path / 'none'}", "--task", "causal-lm", *FAST]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
     hf_helpers.vit(tmp_path / "vit")
     assert main(["train", "--model", f"hf:{tmp_path / 'vit'}", "--task", "causal-lm", *FAST]) == 2
     assert "task 'causal-lm' needs a gpt2 checkpoint" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="scan_layers applies to GPT-2 only; .* holds a vit checkpoint"):
+        dz.models.from_pretrained(tmp_path / "vit", scan_layers=True)
     with pytest.warns(UserWarning, match="afresh .*5 labels, 10 asked for"):   # digits have 10 classes
         assert main(["train", "--model", f"hf:{tmp_path / 'vit'}", "--steps", "1", *FAST]) == 2
     assert "takes 8x8x3 images, the digits dataset has 8x8x1" in capsys.readouterr().err

@@ -347,3 +347,48 @@ def test_bitfit_compiled_memory_is_non_dp_memory():
     for mode in ("bk", "ghost", "fused"):
         assert temp_bytes("bitfit", mode) < non_dp + activation / 4, mode
     assert temp_bytes("full", "ghost") >= temp_bytes("full") + activation * 3 / 4
+
+
+def test_lora_on_a_scanned_gpt2_matches_reference():
+    """LoRA around the dense layers of a GPT-2 whose blocks are stacked and scanned (``scan_layers``): one adapter
+    per layer, stacked like its kernel; the private gradient (traced-program front-end, the scan kept) against
+    ``vmap(grad)`` of the base objective with ``W_l + (alpha / rank) A_l B_l`` merged layer by layer, and
+    ``merge_lora`` gives the same function."""
+    config = dz.models.GPT2Config(vocab_size=40, n_positions=8, n_embd=16, n_layer=3, n_head=2, scan_layers=True)
+    base = build(dz.models.GPT2, config, 2)
+    model, trainable = dz.peft.apply(base, "lora", rank=RANK, alpha=ALPHA, key=jax.random.key(5))
+    params, loss_fn = dz.models.lm_objective(model, trainable=trainable)
+    rng = np.random.default_rng(3)
+    values = {p: jnp.asarray(rng.standard_normal(v.shape) / np.sqrt(v.shape[-2]), jnp.float32)
+              for p, v in ref.flat(params).items()}
+    assert all(v.shape[0] == 3 for v in values.values())            # stacked: one adapter per layer
+    params = jax.tree.unflatten(jax.tree.structure(params), [values[p] for p in ref.paths(params)])
+    targets = sorted({p.rsplit("/lora_", 1)[0] for p in values})
+
+    full_params, full_loss = dz.models.lm_objective(base)
+    full_leaves, treedef = jax.tree.flatten(full_params)
+    full_paths = ref.paths(full_params)
+
+    def reference_loss(trainable_values, batch):
+        merged = dict(zip(full_paths, full_leaves))
+        for target in targets:
+            a, b = trainable_values[f"{target}/lora_a/kernel"], trainable_values[f"{target}/lora_b/kernel"]
+            delta = jax.vmap(lambda a_l, b_l: jnp.tensordot(a_l, b_l, axes=1))(a, b)
+            merged[f"{target}/kernel"] = merged[f"{target}/kernel"] + (ALPHA / RANK) * delta
+        return full_loss(jax.tree.unflatten(treedef, [merged[p] for p in full_paths]), batch)
+
+    batch = {"input_ids": jnp.asarray(rng.integers(0, 40, (B, 8)), jnp.int32)}
+    setup = Setup("gpt2-scan-lora", params, loss_fn, batch, layer_order=())
+    setup.__dict__["grads"] = ref.per_example_grads(reference_loss, values, batch)
+    setup.__dict__["losses"] = ref.per_example_losses(reference_loss, values, batch)
+    check_private(setup, clip_fn="abadi", groups="all-layer", mode="auto", floor=2e-5)   # fp32: merged-weight order
+
+    for target in targets:
+        for which in ("lora_a", "lora_b"):
+            node = model
+            for part in f"{target}/{which}/kernel".split("/"):
+                node = getattr(node, part)
+            node.set_value(values[f"{target}/{which}/kernel"])
+    ids = batch["input_ids"]
+    np.testing.assert_allclose(np.asarray(dz.peft.merge_lora(model)(ids)), np.asarray(model(ids)), rtol=1e-5,
+                               atol=1e-5)

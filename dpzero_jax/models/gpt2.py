@@ -1,8 +1,10 @@
-"""A GPT-2-style decoder from DP layers: learned positions, pre-LN blocks, GELU MLP, tied or untied LM head."""
+"""A GPT-2-style decoder from DP layers: learned positions, pre-LN blocks, GELU MLP, tied or untied LM head; its blocks
+unrolled (a list) or stacked and scanned (``scan_layers``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,10 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
     activation_function: str = "gelu_new"   # one of GELUS
+    # Blocks stacked on a leading [n_layer] axis (parameters ``h/...``) and applied with ``nnx.scan``: one block in
+    # the compiled program at any depth (private gradients via the traced-program front-end, which keeps the scan).
+    # Unrolled (False): a list, parameters ``h/0/...``, ``h/1/...``.
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -34,6 +40,8 @@ class GPT2Config:
                 raise ValueError(f"GPT2Config.{name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"GPT2Config.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.activation_function not in GELUS:
             raise ValueError(f"GPT2Config.activation_function must be one of {tuple(GELUS)}, "
                              f"got {self.activation_function!r}")
@@ -53,9 +61,12 @@ class GPT2(nnx.Module):
         d = config.n_embd
         self.wte = nn.Embed(config.vocab_size, d, rngs=rngs)
         self.wpe = nn.Embed(config.n_positions, d, stddev=0.01, rngs=rngs)
-        self.h = nnx.List([Block(d, config.n_head, config.n_inner or 4 * d, causal=True,
-                                 approximate_gelu=GELUS[config.activation_function],
-                                 eps=config.layer_norm_epsilon, rngs=rngs) for _ in range(config.n_layer)])
+        block = functools.partial(Block, d, config.n_head, config.n_inner or 4 * d, causal=True,
+                                  approximate_gelu=GELUS[config.activation_function], eps=config.layer_norm_epsilon)
+        if config.scan_layers:
+            self.h = stacked_blocks(block, config.n_layer, rngs)
+        else:
+            self.h = nnx.List([block(rngs=rngs) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, use_bias=False,
                                                                           rngs=rngs)
@@ -70,20 +81,44 @@ class GPT2(nnx.Module):
         x = self.wte(input_ids) + self.wpe(positions)
         if self.dtype is not None:
             x = x.astype(self.dtype)
-        for block in self.h:
-            x = block(x)
+        if self.config.scan_layers:
+            x = scan_blocks(self.h, x)
+        else:
+            for block in self.h:
+                x = block(x)
         x = self.ln_f(x)
         return self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, seed: int = 0) -> GPT2:
-        """A Hugging Face GPT-2 checkpoint directory (see :func:`dpzero_jax.models.from_pretrained`)."""
+    def from_pretrained(cls, path, *, dtype=None, seed: int = 0, scan_layers: bool = False) -> GPT2:
+        """A Hugging Face GPT-2 checkpoint directory (see :func:`dpzero_jax.models.from_pretrained`);
+        ``scan_layers``: stack its blocks and scan over them (:class:`GPT2Config`)."""
         from dpzero_jax.models import pretrained
 
-        return pretrained.load(path, expect=cls, dtype=dtype, seed=seed)
+        return pretrained.load(path, expect=cls, dtype=dtype, seed=seed, scan_layers=scan_layers)
 
     def save_pretrained(self, path) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``GPT2LMHeadModel``)."""
         from dpzero_jax.models import pretrained
 
         pretrained.save(self, path)
+
+
+def stacked_blocks(make_block, count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``count`` blocks ``make_block(rngs=...)`` as one module whose parameters have a leading ``[count]`` axis,
+    each block initialised from its own split of ``rngs``."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs):
+        return make_block(rngs=rngs)
+    return make(rngs)
+
+
+def scan_blocks(blocks: nnx.Module, x: jax.Array) -> jax.Array:
+    """``x [B, T, d]`` through the stacked ``blocks`` in order: one ``lax.scan`` over the leading axis of their state
+    (trainable and frozen leaves alike, as a PEFT split leaves them)."""
+    graphdef, state = nnx.split(blocks)
+
+    def step(x, layer):
+        return nnx.merge(graphdef, layer)(x), None
+    return jax.lax.scan(step, x, state)[0]

@@ -108,7 +108,7 @@ def _norm(path, name):
 
 
 # ---------------------------------------------------------------- GPT-2
-def _gpt2_config(c: dict) -> GPT2Config:
+def _gpt2_config(c: dict, scan_layers: bool = False) -> GPT2Config:
     _refuse(c, "add_cross_attention", False, "cross-attention")
     _refuse(c, "scale_attn_weights", True, "unscaled attention")
     _refuse(c, "scale_attn_by_inverse_layer_idx", False, "attention scaled by the inverse layer index")
@@ -120,27 +120,53 @@ def _gpt2_config(c: dict) -> GPT2Config:
                       n_embd=c.get("n_embd", d.n_embd), n_layer=c.get("n_layer", d.n_layer),
                       n_head=c.get("n_head", d.n_head), n_inner=c.get("n_inner"),
                       layer_norm_epsilon=float(c.get("layer_norm_epsilon", d.layer_norm_epsilon)),
-                      tie_word_embeddings=bool(c.get("tie_word_embeddings", True)), activation_function=act)
+                      tie_word_embeddings=bool(c.get("tie_word_embeddings", True)), activation_function=act,
+                      scan_layers=scan_layers)
+
+
+def _gpt2_block(c: GPT2Config, h: str, o: str) -> list[Entry]:
+    """One block: checkpoint prefix ``h`` (``transformer.h.3``), parameter prefix ``o`` (``h/3``)."""
+    d, heads = c.n_embd, c.n_head
+    return _norm(f"{o}/ln_1", f"{h}.ln_1") + _norm(f"{o}/ln_2", f"{h}.ln_2") + [
+        _conv1d(f"{o}/attn/c_attn/kernel", f"{h}.attn.c_attn.weight", (d, 3, heads, d // heads), (d, 3 * d)),
+        _conv1d(f"{o}/attn/c_attn/bias", f"{h}.attn.c_attn.bias", (3, heads, d // heads), (3 * d,)),
+        _conv1d(f"{o}/attn/c_proj/kernel", f"{h}.attn.c_proj.weight", (heads, d // heads, d), (d, d)),
+        _same(f"{o}/attn/c_proj/bias", f"{h}.attn.c_proj.bias"),
+        _same(f"{o}/mlp/c_fc/kernel", f"{h}.mlp.c_fc.weight"),
+        _same(f"{o}/mlp/c_fc/bias", f"{h}.mlp.c_fc.bias"),
+        _same(f"{o}/mlp/c_proj/kernel", f"{h}.mlp.c_proj.weight"),
+        _same(f"{o}/mlp/c_proj/bias", f"{h}.mlp.c_proj.bias")]
 
 
 def _gpt2_entries(c: GPT2Config, prefix: str) -> list[Entry]:
-    d, heads, p = c.n_embd, c.n_head, prefix
+    p = prefix
     out = [_same("wte/embedding", f"{p}wte.weight"), _same("wpe/embedding", f"{p}wpe.weight")]
-    for i in range(c.n_layer):
-        h, o = f"{p}h.{i}", f"h/{i}"
-        out += _norm(f"{o}/ln_1", f"{h}.ln_1") + _norm(f"{o}/ln_2", f"{h}.ln_2")
-        out += [_conv1d(f"{o}/attn/c_attn/kernel", f"{h}.attn.c_attn.weight", (d, 3, heads, d // heads), (d, 3 * d)),
-                _conv1d(f"{o}/attn/c_attn/bias", f"{h}.attn.c_attn.bias", (3, heads, d // heads), (3 * d,)),
-                _conv1d(f"{o}/attn/c_proj/kernel", f"{h}.attn.c_proj.weight", (heads, d // heads, d), (d, d)),
-                _same(f"{o}/attn/c_proj/bias", f"{h}.attn.c_proj.bias"),
-                _same(f"{o}/mlp/c_fc/kernel", f"{h}.mlp.c_fc.weight"),
-                _same(f"{o}/mlp/c_fc/bias", f"{h}.mlp.c_fc.bias"),
-                _same(f"{o}/mlp/c_proj/kernel", f"{h}.mlp.c_proj.weight"),
-                _same(f"{o}/mlp/c_proj/bias", f"{h}.mlp.c_proj.bias")]
+    if c.scan_layers:
+        out += _stacked([_gpt2_block(c, f"{p}h.{i}", "h") for i in range(c.n_layer)])
+    else:
+        for i in range(c.n_layer):
+            out += _gpt2_block(c, f"{p}h.{i}", f"h/{i}")
     out += _norm("ln_f", f"{p}ln_f")
     if not c.tie_word_embeddings:
         out.append(Entry("lm_head/kernel", ("lm_head.weight",), lambda w: w.T,
                          lambda k: (np.ascontiguousarray(k.T),)))
+    return out
+
+
+def _stacked(layers: list[list[Entry]]) -> list[Entry]:
+    """Entries of stacked blocks from each layer's entries (same paths, same order): the parameter is the layers'
+    values stacked on a new leading axis, read from (and written to) every layer's tensors."""
+    out = []
+    for same_path in zip(*layers):
+        widths = np.cumsum([0] + [len(e.names) for e in same_path])
+
+        def to_ours(*arrays, entries=same_path, widths=widths):
+            return np.stack([e.to_ours(*arrays[a:b]) for e, a, b in zip(entries, widths[:-1], widths[1:])])
+
+        def to_hf(w, entries=same_path):
+            return tuple(t for e, w_layer in zip(entries, w) for t in e.to_hf(w_layer))
+        out.append(Entry(same_path[0].path, tuple(n for e in same_path for n in e.names), to_ours, to_hf,
+                         same_path[0].head))
     return out
 
 
@@ -309,17 +335,19 @@ def _labels(hf_config: dict, num_labels: int, id2label) -> None:
     hf_config.pop("num_labels", None)
 
 
-def from_pretrained(path, *, num_labels: int | None = None, id2label=None, dtype=None, seed: int = 0):
+def from_pretrained(path, *, num_labels: int | None = None, id2label=None, dtype=None, seed: int = 0,
+                    scan_layers: bool = False):
     """The model of a Hugging Face ``save_pretrained`` directory: :class:`~dpzero_jax.models.GPT2`,
     :class:`~dpzero_jax.models.BertEncoder` (BERT, RoBERTa) or :class:`~dpzero_jax.models.ViT`, by ``model_type``.
 
     ``num_labels`` / ``id2label`` (encoders and ViT): the classes of the head; a head of another size, or missing, is
     initialised afresh from ``seed``. ``dtype``: activation compute dtype (GPT-2, BERT). Weights are fp32.
+    ``scan_layers`` (GPT-2): blocks stacked and scanned (:class:`~dpzero_jax.models.GPT2Config`).
     """
-    return load(path, num_labels=num_labels, id2label=id2label, dtype=dtype, seed=seed)
+    return load(path, num_labels=num_labels, id2label=id2label, dtype=dtype, seed=seed, scan_layers=scan_layers)
 
 
-def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed: int = 0):
+def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed: int = 0, scan_layers: bool = False):
     hf_config = hf.read_config(path)
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED:
@@ -338,10 +366,12 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
         if num_labels is not None or id2label is not None:
             raise ValueError("GPT-2 is loaded as a causal language model (GPT2LMHeadModel): num_labels and "
                              "id2label do not apply")
-        config = _gpt2_config(hf_config)
+        config = _gpt2_config(hf_config, scan_layers)
         entries = _gpt2_entries(config, _prefix(state, ("transformer.",)))
         build = functools.partial(GPT2, config, dtype=dtype)
     else:
+        if scan_layers:
+            raise ValueError(f"scan_layers applies to GPT-2 only; {path} holds a {model_type} checkpoint")
         checkpoint_labels = _checkpoint_labels(hf_config)
         if num_labels is None:
             num_labels = len(id2label) if id2label is not None else checkpoint_labels
