@@ -487,8 +487,8 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
                 "'auto'), build the model from dpzero_jax layers, or use mode='vmap'.")
         return "layers"
     if cfg.mode == "fused":
-        which = f"trainable parameters {list(plan.outside)} are used outside dpzero_jax layers" if plan.outside \
-            else "front_end='program' was asked for"
+        which = f"trainable parameters {list(plan.outside)} are used outside dpzero_jax layers (or inside a scan, " \
+            "where the layers' tape does not follow them)" if plan.outside else "front_end='program' was asked for"
         raise UnsupportedParameterError(
             f"mode='fused' runs on dpzero_jax layers only, and {which}. The traced-program front-end runs "
             "mode='bk', 'ghost' or 'auto', which give the same clipped gradient; mode='vmap' works for any model.")

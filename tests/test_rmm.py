@@ -645,3 +645,12 @@ def test_rmm_diagnostics_in_the_metrics(tmp_path):
                 "alpha": xty / (np.sum(x**2) * np.sum(y**2))}
     for field, value in expected.items():
         assert rows[0][f"rmm/layers/0/{field}"] == pytest.approx(value, rel=1e-4), field
+
+
+def test_stacked_layers_are_refused_with_a_clear_error():
+    """A scanned GPT-2's dense layers carry a leading [n_layer] axis: RMM refuses them by name instead of failing
+    inside the scan."""
+    config = dz.models.GPT2Config(vocab_size=20, n_positions=4, n_embd=8, n_layer=2, n_head=2, scan_layers=True)
+    model = build(dz.models.GPT2, config, 0)
+    with pytest.raises(ValueError, match=r"kernel has shape \(2, 8, 3, 2, 4\) \(stacked for a scan"):
+        rmm.convert_to_rmm(model, sketch="gaussian", rate=0.5, private=True)
