@@ -78,7 +78,8 @@ class Trainable:
 class LoRA(nnx.Module):
     """A frozen dense layer with a low-rank adapter: ``base(x) + (alpha / rank) * lora_b(lora_a(x))``.
 
-    ``x [B, *T, *in] -> [B, *T, *out]``; ``lora_a.kernel: [*in, rank]``, ``lora_b.kernel: [rank, *out]``.
+    ``x [B, *T, *in] -> [B, *T, *out]``; ``lora_a.kernel: [*in, rank]``, ``lora_b.kernel: [rank, *out]`` (with the
+    leading axes of a stacked base kernel ``[*S, *in, *out]`` in front: ``[*S, *in, rank]``, ``[*S, rank, *out]``).
     """
 
     def __init__(self, base: nn.Linear | nn.DenseGeneral, *, rank: int, alpha: float, key: jax.Array):

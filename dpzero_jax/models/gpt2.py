@@ -28,7 +28,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
     activation_function: str = "gelu_new"   # one of GELUS
-    # Blocks stacked on a leading [n_layer] axis (parameters ``h/...``) and applied with ``nnx.scan``: one block in
+    # Blocks stacked on a leading [n_layer] axis (parameters ``h/...``) and applied with one ``lax.scan``: one block in
     # the compiled program at any depth (private gradients via the traced-program front-end, which keeps the scan).
     # Unrolled (False): a list, parameters ``h/0/...``, ``h/1/...``.
     scan_layers: bool = False
