@@ -67,9 +67,9 @@ def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_siz
 
     With ``"partitionable"``, leaf ``j`` draws from ``fold_in(key, j)``. With ``"blocked"``, the leaves of at most
     ``NOISE_BLOCK`` elements are concatenated in flatten order into one vector ``s`` whose key is ``fold_in(key,
-    number of leaves)``; the other leaves keep ``fold_in(key, j)``. Without large leaves, ``s`` is one draw from its
-    key; otherwise ``s`` and every large leaf are drawn block by block (block ``c`` from ``fold_in(its key, c)``) by
-    one loop (:func:`_noised_vectors`). Every coordinate is drawn exactly once. Computed in float32 and cast back to
+    number of leaves)``; the other leaves keep ``fold_in(key, j)``. When ``s`` is the only vector and has at most
+    ``NOISE_BLOCK`` elements, it is one draw from its key; otherwise ``s`` and every large leaf are drawn block by
+    block in place (block ``c`` from ``fold_in(its key, c)``) by one loop (:func:`_noised_vectors`). Every coordinate is drawn exactly once. Computed in float32 and cast back to
     each leaf's dtype.
     """
     if rng not in NOISE_RNGS:
@@ -91,9 +91,9 @@ def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_siz
     vectors = [leaves[j] for j in large]
     if small:
         vectors.append(jnp.concatenate([leaves[j].reshape(-1).astype(jnp.float32) for j in small]))
-    if large:
+    if any(v.size > NOISE_BLOCK for v in vectors):
         noised = _noised_vectors(vectors, key, large + [len(leaves)] * bool(small), std, expected_batch_size)
-    else:   # small leaves only: one draw of exactly their size
+    else:   # small leaves only, at most NOISE_BLOCK elements in all: one draw of exactly their size
         normal = standard_normal(jax.random.fold_in(key, len(leaves)), vectors[0].shape)
         noised = [(vectors[0] + std * normal) / expected_batch_size]
     out = [None] * len(leaves)

@@ -124,8 +124,8 @@ def test_noise_is_added_to_the_clipped_sum_once():
 def test_blocked_noise_follows_its_documented_definition():
     """With leaves above ``NOISE_BLOCK``: block ``c`` of large leaf ``j`` is ``standard_normal(fold_in(fold_in(key,
     j), c))`` and the small leaves, concatenated, are block 0 of ``fold_in(key, number of leaves)``; without large
-    leaves the small ones are one draw from ``fold_in(key, number of leaves)``. The reference draws each block here,
-    one by one."""
+    leaves the small ones are one draw from ``fold_in(key, number of leaves)``, or blocks of it when they hold more
+    than ``NOISE_BLOCK`` elements together. The reference draws each block here, one by one."""
     from dpzero_jax import noise
     block = noise.NOISE_BLOCK
     key = jax.random.key(11)
@@ -145,3 +145,8 @@ def test_blocked_noise_follows_its_documented_definition():
     small = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))([leaves[0], leaves[2]])
     np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in small]),
                                0.5 * np.asarray(noise.standard_normal(jax.random.fold_in(key, 2), (8,))), atol=1e-6)
+    # many small leaves, more than NOISE_BLOCK elements together: their vector is drawn by block, in place
+    many = [jnp.zeros((block // 2 + 1,), jnp.float32)] * 3
+    out = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))(many)
+    np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in out]),
+                               0.5 * blocks(jax.random.fold_in(key, 3), 3 * (block // 2 + 1)), atol=1e-6)
