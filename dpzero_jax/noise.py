@@ -69,8 +69,8 @@ def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_siz
     ``NOISE_BLOCK`` elements are concatenated in flatten order into one vector ``s`` whose key is ``fold_in(key,
     number of leaves)``; the other leaves keep ``fold_in(key, j)``. When ``s`` is the only vector and has at most
     ``NOISE_BLOCK`` elements, it is one draw from its key; otherwise ``s`` and every large leaf are drawn block by
-    block in place (block ``c`` from ``fold_in(its key, c)``) by one loop (:func:`_noised_vectors`). Every coordinate is drawn exactly once. Computed in float32 and cast back to
-    each leaf's dtype.
+    block in place (block ``c`` from ``fold_in(its key, c)``) by one loop (:func:`_noised_vectors`). Every
+    coordinate is drawn exactly once. Computed in float32 and cast back to each leaf's dtype.
     """
     if rng not in NOISE_RNGS:
         raise ValueError(f"noise rng must be one of {NOISE_RNGS}, got {rng!r}")
