@@ -103,7 +103,7 @@ class LoRA(nnx.Module):
 def _stack_shape(layer: nn.Linear | nn.DenseGeneral) -> tuple[int, ...]:
     """The leading axes of a stacked layer's kernel (layers created under ``nnx.vmap`` to be scanned), else ``()``."""
     in_shape, out_shape = dense_shapes(layer)
-    shape = tuple(layer.kernel[...].shape)
+    shape = tuple(layer.kernel.get_value().shape)   # also on abstract (eval_shape) models
     return shape[:len(shape) - len(in_shape) - len(out_shape)]
 
 
