@@ -537,10 +537,8 @@ def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=
         from dpzero_jax.program import mode as program_mode
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
-        # auto: book-keeping, unless sites sit inside remat regions -- book-keeping would keep their operands and
-        # undo the rematerialisation; ghost computes their norms in the rematerialised backward.
-        mode = cfg.mode if cfg.mode != "auto" else ("ghost" if program_plan.analysis.rematerialised else "bk")
-        concrete = cfg.replace(mode=mode, norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
+        concrete = cfg.replace(mode=program_mode.concrete_mode(cfg, program_plan),
+                               norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
         return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask)
     concrete = choose_mode(cfg, plan).replace(norm_kernel=ghost_norm.resolve(cfg.norm_kernel))
     return plan, concrete, MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)

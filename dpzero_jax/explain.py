@@ -19,7 +19,7 @@ import math
 import jax
 import numpy as np
 
-from dpzero_jax import engine
+from dpzero_jax import engine, pergrad
 from dpzero_jax.config import DPConfig
 
 
@@ -56,8 +56,7 @@ def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
         elif set(rules) <= {"linear", "embed", "rmm_linear"} and any(name in ("kernel", "table") for _, name in uses):
             positions = sum(math.prod(by_index[i].input_shape[1:] if by_index[i].rule.name == "embed"
                                       else by_index[i].input_shape[1:-1]) for i, _ in uses)
-            ghost = cfg.norm_method == "ghost" or (cfg.norm_method != "instantiate"
-                                                   and 2 * positions ** 2 < sizes[path])
+            ghost = pergrad.space_rule(cfg.norm_method, positions, sizes[path])
             rule, method = "+".join(rules), "ghost" if ghost else "instantiate"
             nbytes = 4 * (positions ** 2 if ghost else sizes[path])
         else:
@@ -83,6 +82,6 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
         from dpzero_jax.program import mode as program_mode
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
-        mode = cfg.mode if cfg.mode != "auto" else ("ghost" if program_plan.analysis.rematerialised else "bk")
-        return PlanReport("program", mode, tuple(program_mode.explain(program_plan, params, cfg)))
+        return PlanReport("program", program_mode.concrete_mode(cfg, program_plan),
+                          tuple(program_mode.explain(program_plan, params, cfg)))
     return PlanReport("layers", engine.choose_mode(cfg, plan).mode, tuple(_layer_rows(plan, params, cfg)))

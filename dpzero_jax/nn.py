@@ -52,6 +52,21 @@ class DenseGeneral(nnx.Module):
         return ops.dense(x, self.kernel[...], bias, n_in=len(self.in_shape))
 
 
+def dense_shapes(layer: Linear | DenseGeneral) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(in_shape, out_shape)`` of a dense layer as declared (without the leading axes of a stacked layer)."""
+    if isinstance(layer, Linear):
+        return (layer.in_features,), (layer.out_features,)
+    return tuple(layer.in_shape), tuple(layer.out_shape)
+
+
+def stacked_axes(layer: Linear | DenseGeneral) -> tuple[int, ...]:
+    """The leading axes of a stacked layer's kernel ``[*S, *in, *out]`` (layers created under ``nnx.vmap`` to be
+    scanned), else ``()``; also on abstract (``nnx.eval_shape``) models."""
+    in_shape, out_shape = dense_shapes(layer)
+    shape = tuple(layer.kernel.get_value().shape)
+    return shape[:len(shape) - len(in_shape) - len(out_shape)]
+
+
 class Embed(nnx.Module):
     """Token or positional embedding ``ids [B, *T] -> [B, *T, features]``; ``attend`` is the tied output head."""
 

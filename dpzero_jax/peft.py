@@ -83,14 +83,14 @@ class LoRA(nnx.Module):
     """
 
     def __init__(self, base: nn.Linear | nn.DenseGeneral, *, rank: int, alpha: float, key: jax.Array):
-        in_shape, out_shape = dense_shapes(base)
+        in_shape, out_shape = nn.dense_shapes(base)
         self.base = base
         self.rank, self.alpha, self.scale = rank, float(alpha), float(alpha) / rank
         rngs = nnx.Rngs(params=key)
         self.lora_a = nn.DenseGeneral(in_shape, (rank,), use_bias=False, rngs=rngs)
         self.lora_b = nn.DenseGeneral((rank,), out_shape, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
                                       rngs=rngs)
-        stack = _stack_shape(base)
+        stack = nn.stacked_axes(base)
         if stack:   # a stacked (scanned) layer: one adapter per slice, drawn like the unstacked one
             init = nnx.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))
             self.lora_a.kernel = nnx.Param(init(jax.random.fold_in(key, 1), stack + in_shape + (rank,), jnp.float32))
@@ -98,20 +98,6 @@ class LoRA(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.base(x) + self.scale * self.lora_b(self.lora_a(x))
-
-
-def _stack_shape(layer: nn.Linear | nn.DenseGeneral) -> tuple[int, ...]:
-    """The leading axes of a stacked layer's kernel (layers created under ``nnx.vmap`` to be scanned), else ``()``."""
-    in_shape, out_shape = dense_shapes(layer)
-    shape = tuple(layer.kernel.get_value().shape)   # also on abstract (eval_shape) models
-    return shape[:len(shape) - len(in_shape) - len(out_shape)]
-
-
-def dense_shapes(layer: nn.Linear | nn.DenseGeneral) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(in_shape, out_shape)`` of a DP dense layer."""
-    if isinstance(layer, nn.Linear):
-        return (layer.in_features,), (layer.out_features,)
-    return tuple(layer.in_shape), tuple(layer.out_shape)
 
 
 def _compile(pattern: str, what: str) -> re.Pattern:
@@ -259,7 +245,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     for path in sorted(adapters, key=len, reverse=True):  # innermost first (adapters are not nested in practice)
         lora = _node(model, path)
         base = lora.base
-        stack = _stack_shape(base)
+        stack = nn.stacked_axes(base)
         a, b = lora.lora_a.kernel[...], lora.lora_b.kernel[...]
         flat_a = a.reshape((math.prod(stack), -1, lora.rank))
         flat_b = b.reshape((math.prod(stack), lora.rank, -1))

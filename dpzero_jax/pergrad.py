@@ -110,6 +110,15 @@ def instantiate(use: PerExampleGrad) -> Array:
     return full.reshape((batch,) + tuple(use.shape))
 
 
+def space_rule(method: str, positions: int, size: int) -> bool:
+    """Ghost (``True``) or instantiation for ``positions`` positions of a parameter of ``size`` elements when only
+    the method and the shapes are known: ``"ghost"`` / ``"instantiate"`` as asked, otherwise paper 000's space rule,
+    ghost iff ``2 T^2 < size``."""
+    if method in ("ghost", "instantiate"):
+        return method == "ghost"
+    return 2 * positions ** 2 < size
+
+
 def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") -> bool:
     """Ghost norm or instantiation for one parameter, from static shapes.
 

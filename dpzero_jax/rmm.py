@@ -199,8 +199,7 @@ class RMMDense(nnx.Module):
             n_in = len(layer.in_shape)
         else:
             raise TypeError(f"from_layer converts dz.nn.Linear or DenseGeneral, got {type(layer).__name__}")
-        declared = (2 if isinstance(layer, nn.Linear) else len(layer.in_shape) + len(layer.out_shape))
-        if layer.kernel[...].ndim != declared:
+        if nn.stacked_axes(layer):
             raise ValueError(f"RMM layers replace unstacked dense layers; this one's kernel has shape "
                              f"{tuple(layer.kernel[...].shape)} (stacked for a scan, e.g. GPT2Config.scan_layers): "
                              "build the model unrolled to use RMM")

@@ -184,7 +184,7 @@ def test_lora_zero_init_is_the_base_model(name):
     lora = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(adapted) if isinstance(m, dz.peft.LoRA)}
     assert lora, name
     for path, module in lora.items():
-        in_shape, out_shape = dz.peft.dense_shapes(module.base)
+        in_shape, out_shape = dz.nn.dense_shapes(module.base)
         a, b = np.asarray(module.lora_a.kernel[...]), np.asarray(module.lora_b.kernel[...])
         assert a.shape == in_shape + (RANK,) and b.shape == (RANK,) + out_shape, path
         assert np.all(b == 0) and np.std(a) > 0, path

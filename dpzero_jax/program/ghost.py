@@ -29,6 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dpzero_jax import pergrad
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.interpret import add_probe, run
@@ -43,34 +44,22 @@ def eligible(plan) -> frozenset:
                      if count[site.view.leaf] == 1 and "const" not in site.view.levels)
 
 
-def _apply(site, w, ops):
-    return sites_lib.apply_site(site, w, ops)
-
-
-def _use_ghost(method: str, positions: int, size: int) -> bool:
-    if method == "ghost":
-        return True
-    if method == "instantiate":
-        return False
-    return 2 * positions ** 2 < size
-
-
 def _squared_norm(site, method: str, w, ops, g):
     """One example's squared norm of the gradient of the site's leaf (slice), float32 scalar."""
     if site.kind == "dot":
         left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
         left, right = left.astype(jnp.float32), right.astype(jnp.float32)
-        if _use_ghost(method, left.shape[1], left.shape[2] * right.shape[2]):
+        if pergrad.space_rule(method, left.shape[1], left.shape[2] * right.shape[2]):
             return jnp.sum(jnp.einsum("ktr,ksr->kts", left, left) * jnp.einsum("ktc,ksc->kts", right, right))
         return jnp.sum(jnp.square(jnp.einsum("ktr,ktc->krc", left, right)))
     if site.kind == "gather":
         ids = ops[0].reshape(-1)
         table = site.eqn.invars[0].aval.shape
         right = g.reshape(ids.shape[0], math.prod(table[1:])).astype(jnp.float32)
-        if _use_ghost(method, ids.shape[0], math.prod(table)):
+        if pergrad.space_rule(method, ids.shape[0], math.prod(table)):
             return jnp.sum((ids[:, None] == ids[None, :]) * (right @ right.T))
         return jnp.sum(jnp.square(jnp.zeros((table[0], right.shape[1]), jnp.float32).at[ids].add(right)))
-    _, pullback = jax.vjp(lambda w_: _apply(site, w_, ops), w)
+    _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops), w)
     (view_grad,) = pullback(g)
     base_shape = site.view.chain[0].invars[0].aval.shape if site.view.chain else w.shape
     _, to_base = jax.vjp(lambda b: sites_lib.replay_chain(site, b, skip_casts=True).astype(jnp.float32),
@@ -87,7 +76,7 @@ def _data_cotangents(site, w, ops, g):
             full = list(ops)
             for i, v in zip(floats, values):
                 full[i] = v
-            return _apply(site, w, full)
+            return sites_lib.apply_site(site, w, full)
         _, pullback = jax.vjp(of_floats, *[ops[i] for i in floats])
         for i, ct in zip(floats, pullback(g)):
             out[i] = ct
@@ -107,7 +96,7 @@ def _ghost_handler(ghost_paths: frozenset, method: str):
         def with_port(w, ops, sink):
             # The port is computed from the per-example sink so that, under vmap, it is per-example too (a constant
             # port would be one value for the batch, and its cotangent the batch's sum of coefficients).
-            return _apply(site, w, ops), sink * 0.0
+            return sites_lib.apply_site(site, w, ops), sink * 0.0
 
         def forward(w, ops, sink):
             return with_port(w, ops, sink), (w, ops)
@@ -121,7 +110,7 @@ def _ghost_handler(ghost_paths: frozenset, method: str):
             g_kept = jnp.where(keep, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
             ops_kept = [jnp.where(keep, o, jnp.zeros((), o.dtype)) if jnp.issubdtype(o.dtype, jnp.inexact) else o
                         for o in ops]
-            _, pullback = jax.vjp(lambda w_: _apply(site, w_, ops_kept), w)
+            _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops_kept), w)
             (w_grad,) = pullback(g_kept)
             return (w_grad, _data_cotangents(site, w, ops, g),
                     _squared_norm(site, method, w, ops, g).astype(jnp.float32))

@@ -84,6 +84,15 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
                        batch_size)
 
 
+def concrete_mode(cfg, plan: ProgramPlan) -> str:
+    """The mode ``cfg.mode`` runs as on the program front-end. ``"auto"``: book-keeping, unless sites sit inside
+    remat regions -- book-keeping would keep their operands and undo the rematerialisation; ghost computes their
+    norms in the rematerialised backward."""
+    if cfg.mode != "auto":
+        return cfg.mode
+    return "ghost" if plan.analysis.rematerialised else "bk"
+
+
 def _kind_leaves(kind) -> set:
     if isinstance(kind, View):
         return {kind.leaf}
@@ -290,7 +299,7 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
             else:
                 positions = sum(_positions(s) for s in leaf_sites)
                 rows_cols = math.prod(leaf_sites[0].eqn.invars[leaf_sites[0].param_operand].aval.shape)
-                ghost = method == "ghost" or (method != "instantiate" and 2 * positions ** 2 < rows_cols)
+                ghost = pergrad.space_rule(method, positions, rows_cols)
                 how = "ghost" if ghost else "instantiate"
                 nbytes = 4 * (positions ** 2 if ghost else size)
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
@@ -309,4 +318,3 @@ def _positions(site) -> int:
         t = math.prod(n for i, n in enumerate(data) if i not in c_d and i not in b_d)
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
     return t * math.prod(n for n, lv in zip(site.lengths, levels) if lv == "const")
-
