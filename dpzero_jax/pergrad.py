@@ -87,9 +87,11 @@ def _gram(u: Outer, v: Outer, side: str) -> Array:
         return jnp.einsum("btc,bsc->bts", u.right, v.right, preferred_element_type=jnp.float32)
     if u.left_is_ids and v.left_is_ids:
         return (u.left[:, :, None] == v.left[:, None, :]).astype(jnp.float32)
-    if u.left_is_ids:  # <onehot(id_t), v_s> = v[s, id_t]
-        index = jnp.broadcast_to(u.left[:, None, :], v.left.shape[:2] + u.left.shape[1:2])   # [B, Tv, Tu]
-        gathered = jnp.take_along_axis(v.left, index, axis=2)
+    if u.left_is_ids:  # <onehot(id_t), v_s> = v[s, id_t]: per example, the columns id_t of v.left [Tv, rows]
+        # One batched gather. take_along_axis with a broadcast [B, Tv, Tu] index reads the same entries, but the
+        # TPU compiler lowers it with copies of the whole [B, Tv, rows] operand (a tied LM head's output gradient:
+        # +590 MiB temporaries and +6 GB accessed at B 4, T 512, V 50304, against +197 MiB / +0.5 GB for this form).
+        gathered = jax.vmap(lambda rows, ids: jnp.take(rows, ids, axis=1))(v.left, u.left)   # [B, Tv, Tu]
         return jnp.swapaxes(_f32(gathered), 1, 2)
     if v.left_is_ids:
         return jnp.swapaxes(_gram(v, u, "left"), 1, 2)
