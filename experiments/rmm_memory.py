@@ -25,7 +25,7 @@ Per configuration:
 
 XLA:CPU schedules for concurrency by default; ``--scheduler memory`` sets ``XLA_FLAGS=
 --xla_cpu_enable_concurrency_optimized_scheduler=false`` (before JAX starts) to get XLA's memory-minimising
-scheduler instead. Memory numbers depend on this choice; the README reports both.
+scheduler instead. Memory numbers depend on this choice; docs/benchmarks/rmm_memory.md reports both.
 
 How to run::
 

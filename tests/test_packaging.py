@@ -72,4 +72,6 @@ def test_one_source_of_truth_for_dependencies():
     assert "matplotlib" not in names                                  # the plot is optional: the `plot` extra
     assert {"scikit-learn", "tqdm"} <= names                          # the default `dpzero train` needs both
     assert any(r.startswith("matplotlib") for r in project["optional-dependencies"]["plot"])
-    assert "dpzero_jax[plot,hf]" in project["optional-dependencies"]["test"]
+    assert "dpzero_jax[plot,hf,docs]" in project["optional-dependencies"]["test"]   # tests/test_docs.py builds the docs
+    assert {re.split(r"[<>=\[]", r, maxsplit=1)[0] for r in project["optional-dependencies"]["docs"]} == {
+        "mkdocs", "mkdocstrings"}

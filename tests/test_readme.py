@@ -7,7 +7,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
 BLOCKS = [(path.relative_to(ROOT).as_posix(), i, code)
-          for path in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
+          for path in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").rglob("*.md"))]
           if path.exists()
           for i, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))]
 
