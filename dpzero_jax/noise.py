@@ -131,25 +131,42 @@ NOISE_BLOCK = 1 << 16   # elements per draw for large leaves; part of the defini
 def _noised_vectors(leaves, key: jax.Array, indices, std, expected_batch_size: float) -> list[jax.Array]:
     """``(leaf + std * N(0, I)) / expected_batch_size`` in float32 for each of ``leaves``.
 
-    Each leaf is noised block by block in place, block ``c`` of ``leaves[j]`` from ``fold_in(fold_in(key,
-    indices[j]), c)``: drawing a large leaf in one go would make XLA keep a second copy of the gradient alive. One
-    loop visits the blocks of all the leaves with one generator in its body; the block's owner is updated under a
-    ``cond``, in place.
+    Each leaf is noised block by block in place, block ``c`` of ``leaves[j]`` (elements ``[c * NOISE_BLOCK, (c + 1)
+    * NOISE_BLOCK)`` of the flattened leaf) from ``fold_in(fold_in(key, indices[j]), c)``; a last partial block takes
+    the first elements of its draw. Drawing a large leaf in one go would make XLA keep a second copy of the gradient
+    alive. One loop visits the blocks of all the leaves with one generator in its body; the block's owner is updated
+    under a ``cond``, in place, on the flattened leaf itself (a float32 leaf is neither padded nor copied).
     """
-    n_blocks = [-(-leaf.size // NOISE_BLOCK) for leaf in leaves]
-    blocks = [jnp.pad(leaf.reshape(-1).astype(jnp.float32), (0, n * NOISE_BLOCK - leaf.size)).reshape(n, NOISE_BLOCK)
-              for leaf, n in zip(leaves, n_blocks)]
-    owner = jnp.asarray(np.repeat(np.arange(len(leaves)), n_blocks), jnp.int32)
+    flats = [leaf.reshape(-1).astype(jnp.float32) for leaf in leaves]
+    n_blocks = [-(-flat.size // NOISE_BLOCK) for flat in flats]
+    owner = jnp.asarray(np.repeat(np.arange(len(flats)), n_blocks), jnp.int32)
     leaf_index = jnp.asarray(np.repeat(np.asarray(indices), n_blocks), jnp.int32)
     local = jnp.asarray(np.concatenate([np.arange(n) for n in n_blocks]), jnp.int32)
 
-    def noise_block(step, blocks):
+    def updater(size: int):
+        full, tail = divmod(size, NOISE_BLOCK)
+
+        def full_block(flat, c, normal):
+            start = c * NOISE_BLOCK
+            block = jax.lax.dynamic_slice(flat, (start,), (NOISE_BLOCK,))
+            return jax.lax.dynamic_update_slice(flat, (block + std * normal) / expected_batch_size, (start,))
+
+        def last_block(flat, c, normal):
+            return flat.at[full * NOISE_BLOCK:].set((flat[full * NOISE_BLOCK:] + std * normal[:tail])
+                                                    / expected_batch_size)
+        if not tail:
+            return full_block
+        if not full:
+            return last_block
+        return lambda flat, c, normal: jax.lax.cond(c < full, full_block, last_block, flat, c, normal)
+
+    updaters = [updater(flat.size) for flat in flats]
+
+    def noise_block(step, flats):
         owner_now, c = owner[step], local[step]
         normal = standard_normal(jax.random.fold_in(jax.random.fold_in(key, leaf_index[step]), c), (NOISE_BLOCK,))
+        return tuple(jax.lax.cond(owner_now == j, update, lambda f, c, n: f, flat, c, normal)
+                     for j, (flat, update) in enumerate(zip(flats, updaters)))
 
-        def update(block_set):
-            return block_set.at[c].set((block_set[c] + std * normal) / expected_batch_size)
-        return tuple(jax.lax.cond(owner_now == j, update, lambda b: b, b) for j, b in enumerate(blocks))
-
-    blocks = jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(blocks))
-    return [b.reshape(-1)[:leaf.size].reshape(leaf.shape) for b, leaf in zip(blocks, leaves)]
+    flats = jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(flats))
+    return [flat.reshape(leaf.shape) for flat, leaf in zip(flats, leaves)]
