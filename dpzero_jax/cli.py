@@ -94,14 +94,16 @@ def _groups(text: str):
         f"--groups must be all-layer, layer-wise, param-wise or uniform:K, got {text!r}")
 
 
-def _mesh(text: str) -> str:
-    from dpzero_jax.sharding import parse_mesh
+def _mesh(flag: str):
+    def parse(text: str) -> str:
+        from dpzero_jax.sharding import parse_mesh
 
-    try:
-        parse_mesh(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--mesh: {error}") from None
-    return text
+        try:
+            parse_mesh(text, flag)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+    return parse
 
 
 def _patterns(flag: str):
@@ -192,7 +194,12 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
                        help="poisson (default), fixed-size (needs --accountant rdp) or shuffled (no formal guarantee)")
     train.add_argument("--devices", type=_positive_int("--devices"),
                        help="train over N devices, ZeRO-sharded (N virtual CPU devices without an accelerator)")
-    train.add_argument("--mesh", type=_mesh, help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
+    train.add_argument("--mesh", type=_mesh("--mesh"),
+                       help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
+    train.add_argument("--dcn-mesh", type=_mesh("--dcn-mesh"),
+                       help="multi-slice runs: slices each --mesh axis spans over the data-centre network, e.g. "
+                            "data=2 (a hybrid ICI x DCN mesh; without a TPU slice_index a slice is a run of "
+                            "consecutive devices)")
     train.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default 3)")
     train.add_argument("--strategy", choices=("gspmd", "explicit"),
                        help="gspmd: one jit with shardings (default); explicit: shard_map with all-gather / "

@@ -56,7 +56,7 @@ STRATEGIES = ("gspmd", "explicit")
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "devices", "mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
+                     "devices", "mesh", "dcn_mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
                      "process_id", "rmm_diagnostics_every", "export")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 EPSILON_DEFAULT = 3.0
@@ -84,6 +84,10 @@ class TrainConfig:
     ``devices`` / ``mesh``: train over a ``("data", "fsdp")`` device mesh (:mod:`dpzero_jax.sharding`): ``mesh``
     as ``"data=2,fsdp=4"``; ``devices=N`` alone means ``data=1,fsdp=N``. On a CPU-only machine these are virtual
     CPU devices, which must be requested before JAX starts (the CLI does this). None: one device, no mesh.
+    The devices are placed by :func:`jax.make_mesh` (topology-aware). ``dcn_mesh``: a multi-slice run's hybrid
+    ICI x DCN mesh, as ``"data=2"``: how many slices (TPU slices; elsewhere runs of consecutive devices, e.g. one
+    per host: :func:`sharding.slices_of`) each axis of ``mesh`` spans over the slower DCN; every ``mesh`` size must
+    be a multiple of its ``dcn_mesh`` size (:func:`sharding.make_mesh`).
     ``zero``: ZeRO stage 1, 2 or 3 (what is sharded over ``fsdp``); ``strategy``: ``"gspmd"`` (one ``jax.jit``
     with shardings; XLA inserts the collectives) or ``"explicit"`` (the gradient in ``jax.shard_map`` with
     all-gathers of the weights and reduce-scatters of their gradients written out; :func:`sharding.explicit_gradient`).
@@ -147,6 +151,7 @@ class TrainConfig:
     eval_every: int = 50
     devices: int | None = None
     mesh: str | None = None
+    dcn_mesh: str | None = None
     zero: int = 3
     strategy: str = "gspmd"
     precision: str = "fp32"
@@ -256,6 +261,16 @@ class TrainConfig:
             if self.devices is not None and self.devices != shape.size:
                 raise ValueError(f"TrainConfig.devices={self.devices} does not match mesh {self.mesh!r} "
                                  f"({shape.size} devices)")
+        if self.dcn_mesh is not None:
+            if not isinstance(self.dcn_mesh, str):
+                fail("dcn_mesh", "a string like 'data=2' or None", self.dcn_mesh)
+            if self.mesh is None and self.devices is None:
+                raise ValueError(f"TrainConfig.dcn_mesh={self.dcn_mesh!r} needs a mesh (mesh= or devices=) to split "
+                                 "into slices")
+            try:
+                sharding.ici_shape(_mesh_shape(self), sharding.parse_mesh(self.dcn_mesh, "dcn_mesh"))
+            except ValueError as error:
+                raise ValueError(f"TrainConfig.{error}") from None
         if self.zero not in sharding.ZERO_STAGES:
             fail("zero", f"one of {sharding.ZERO_STAGES}", self.zero)
         if self.strategy not in STRATEGIES:
@@ -582,7 +597,8 @@ def init_distributed(cfg: TrainConfig) -> None:
 
 
 def _make_mesh(cfg: TrainConfig):
-    """The ``("data", "fsdp")`` mesh of ``cfg`` (None: one device, no mesh)."""
+    """The ``("data", "fsdp")`` mesh of ``cfg`` over the default devices (None: one device, no mesh): from
+    :func:`jax.make_mesh`, or hybrid ICI x DCN with ``dcn_mesh`` (:func:`sharding.make_mesh`)."""
     shape = _mesh_shape(cfg)
     if shape is None:
         return None
@@ -592,7 +608,8 @@ def _make_mesh(cfg: TrainConfig):
         raise ValueError(f"devices={shape.size} but only {len(available)} {available[0].platform} device(s) exist; "
                          f"on a CPU, request virtual devices before JAX starts (the dpzero CLI does; in Python call "
                          f"jax.config.update('jax_num_cpu_devices', {shape.size}) right after importing jax)")
-    return sharding.make_mesh(shape, available)
+    dcn = None if cfg.dcn_mesh is None else sharding.parse_mesh(cfg.dcn_mesh, "dcn_mesh")
+    return sharding.make_mesh(shape, dcn=dcn)
 
 
 def _make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
