@@ -156,7 +156,8 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--text-field", help="JSONL field holding the text (default text)")
     train.add_argument("--label-field", help="JSONL field holding the class (default label)")
     train.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's)")
-    train.add_argument("--export", help="write the trained model here in Hugging Face save_pretrained format")
+    train.add_argument("--export", help="write the trained model here (a directory or gs:// URL) in Hugging Face "
+                                        "save_pretrained format")
     train.add_argument("--scan-layers", action="store_true",
                        help="GPT-2 (--task causal-lm): stack the blocks and scan over them (compile time independent "
                             "of depth)")
@@ -184,7 +185,8 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--optimizer", choices=("adam", "sgd", "adamw"))
     train.add_argument("--weight-decay", type=_positive_float("--weight-decay", allow_zero=True))
     train.add_argument("--seed", type=_non_negative_int("--seed"))
-    train.add_argument("--out", help="output directory (metrics.jsonl, training.png, checkpoints/)")
+    train.add_argument("--out", help="output directory or gs:// (s3://, ...) URL (metrics.jsonl, training.png, "
+                                     "checkpoints/)")
     train.add_argument("--log-every", type=_positive_int("--log-every"))
     train.add_argument("--checkpoint-every", type=_non_negative_int("--checkpoint-every"), help="0: never")
     train.add_argument("--keep-checkpoints", type=_positive_int("--keep-checkpoints"))
