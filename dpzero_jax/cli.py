@@ -94,14 +94,16 @@ def _groups(text: str):
         f"--groups must be all-layer, layer-wise, param-wise or uniform:K, got {text!r}")
 
 
-def _mesh(text: str) -> str:
-    from dpzero_jax.sharding import parse_mesh
+def _mesh(flag: str):
+    def parse(text: str) -> str:
+        from dpzero_jax.sharding import parse_mesh
 
-    try:
-        parse_mesh(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--mesh: {error}") from None
-    return text
+        try:
+            parse_mesh(text, flag)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+    return parse
 
 
 def _patterns(flag: str):
@@ -154,7 +156,8 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--text-field", help="JSONL field holding the text (default text)")
     train.add_argument("--label-field", help="JSONL field holding the class (default label)")
     train.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's)")
-    train.add_argument("--export", help="write the trained model here in Hugging Face save_pretrained format")
+    train.add_argument("--export", help="write the trained model here (a directory or gs:// URL) in Hugging Face "
+                                        "save_pretrained format")
     train.add_argument("--scan-layers", action="store_true",
                        help="GPT-2 (--task causal-lm): stack the blocks and scan over them (compile time independent "
                             "of depth)")
@@ -182,7 +185,8 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--optimizer", choices=("adam", "sgd", "adamw"))
     train.add_argument("--weight-decay", type=_positive_float("--weight-decay", allow_zero=True))
     train.add_argument("--seed", type=_non_negative_int("--seed"))
-    train.add_argument("--out", help="output directory (metrics.jsonl, training.png, checkpoints/)")
+    train.add_argument("--out", help="output directory or gs:// (s3://, ...) URL (metrics.jsonl, training.png, "
+                                     "checkpoints/)")
     train.add_argument("--log-every", type=_positive_int("--log-every"))
     train.add_argument("--checkpoint-every", type=_non_negative_int("--checkpoint-every"), help="0: never")
     train.add_argument("--keep-checkpoints", type=_positive_int("--keep-checkpoints"))
@@ -192,7 +196,12 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
                        help="poisson (default), fixed-size (needs --accountant rdp) or shuffled (no formal guarantee)")
     train.add_argument("--devices", type=_positive_int("--devices"),
                        help="train over N devices, ZeRO-sharded (N virtual CPU devices without an accelerator)")
-    train.add_argument("--mesh", type=_mesh, help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
+    train.add_argument("--mesh", type=_mesh("--mesh"),
+                       help="device mesh, e.g. data=2,fsdp=4 (default with --devices N: fsdp=N)")
+    train.add_argument("--dcn-mesh", type=_mesh("--dcn-mesh"),
+                       help="multi-slice runs: slices each --mesh axis spans over the data-centre network, e.g. "
+                            "data=2 (a hybrid ICI x DCN mesh; without a TPU slice_index a slice is a run of "
+                            "consecutive devices)")
     train.add_argument("--zero", type=int, choices=(1, 2, 3), help="ZeRO stage (default 3)")
     train.add_argument("--strategy", choices=("gspmd", "explicit"),
                        help="gspmd: one jit with shardings (default); explicit: shard_map with all-gather / "

@@ -1,9 +1,12 @@
 """ZeRO-style sharding of the DP training state over a ``("data", "fsdp")`` device mesh (GSPMD strategy).
 
 Mesh
-    ``make_mesh(data, fsdp)``: ``data * fsdp`` devices in a 2-D mesh. The batch is split over BOTH axes (every
-    device holds ``B / (data * fsdp)`` examples); model state is split over ``fsdp`` only and replicated over
-    ``data``.
+    ``make_mesh(data, fsdp)``: ``data * fsdp`` devices in a 2-D mesh, placed by :func:`jax.make_mesh` (in the
+    order of the physical topology). The batch is split over BOTH axes (every device holds ``B / (data * fsdp)``
+    examples); model state is split over ``fsdp`` only and replicated over ``data``. Multi-slice runs (several TPU
+    slices, or hosts joined by a slower data-centre network) take a hybrid ICI x DCN mesh: ``dcn`` says how many
+    slices each axis spans (``make_mesh(MeshShape(4, 2), dcn=MeshShape(data=2))``: two slices of ``data=2,fsdp=2``
+    side by side along ``data``); see :func:`make_mesh` and :func:`slices_of` for the placement.
 
 Parameter rule (:func:`weight_spec`)
     A weight is split on ONE dimension over ``fsdp``: its largest dimension divisible by the ``fsdp`` size (the
@@ -53,7 +56,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dpzero_jax import noise
 from dpzero_jax import tape as tape_lib
@@ -61,7 +64,8 @@ from dpzero_jax.engine import clipped_grad_sum, leaf_paths, make_plan
 from dpzero_jax.sketch import finite_zero
 
 __all__ = ["MeshShape", "ShardLayout", "ShardingRules", "explicit_apply", "explicit_gradient",
-           "explicit_mean_gradient", "explicit_private_gradient", "make_mesh", "parse_mesh", "weight_spec"]
+           "explicit_mean_gradient", "explicit_private_gradient", "ici_shape", "make_mesh", "parse_mesh",
+           "slices_of", "weight_spec"]
 
 AXES = ("data", "fsdp")
 BATCH_AXES = ("data", "fsdp")
@@ -71,7 +75,7 @@ DEFAULT_MIN_SHARD_ELEMENTS = 1024
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the ``data`` and ``fsdp`` mesh axes."""
+    """Sizes of the ``data`` and ``fsdp`` mesh axes (of the whole mesh, or of its DCN factor: :func:`make_mesh`)."""
 
     data: int = 1
     fsdp: int = 1
@@ -86,28 +90,106 @@ class MeshShape:
     def size(self) -> int:
         return self.data * self.fsdp
 
+    def __str__(self) -> str:
+        return f"data={self.data},fsdp={self.fsdp}"
 
-def parse_mesh(text: str) -> MeshShape:
-    """``"data=2,fsdp=4"`` (either axis may be omitted: size 1) -> :class:`MeshShape`."""
+
+def parse_mesh(text: str, what: str = "mesh") -> MeshShape:
+    """``"data=2,fsdp=4"`` (either axis may be omitted: size 1) -> :class:`MeshShape`; ``what`` names the option
+    in the error (``"mesh"``, ``"dcn_mesh"``)."""
     sizes = {}
     for part in str(text).split(","):
         name, sep, value = part.strip().partition("=")
         if not sep or name not in AXES or name in sizes:
-            raise ValueError(f"mesh must look like data=2,fsdp=4 (axes {AXES}, each at most once), got {text!r}")
+            raise ValueError(f"{what} must look like data=2,fsdp=4 (axes {AXES}, each at most once), got {text!r}")
         try:
             sizes[name] = int(value)
         except ValueError:
-            raise ValueError(f"mesh axis {name!r} needs an integer size, got {value!r}") from None
+            raise ValueError(f"{what} axis {name!r} needs an integer size, got {value!r}") from None
+        if sizes[name] < 1:
+            raise ValueError(f"{what} axis {name!r} must be an integer >= 1, got {value!r}")
     return MeshShape(**sizes)
 
 
-def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``("data", "fsdp")`` mesh over the first ``shape.size`` devices (default: ``jax.devices()``)."""
-    devices = list(jax.devices() if devices is None else devices)
+def ici_shape(shape: MeshShape, dcn: MeshShape) -> MeshShape:
+    """The per-slice (ICI) part of a mesh ``shape`` of which ``dcn`` is the DCN part: ``shape / dcn`` axis by
+    axis. Errors: more slices than devices, or a DCN size that does not divide its axis."""
+    if dcn.size > shape.size:
+        raise ValueError(f"dcn_mesh {dcn} asks for {dcn.size} slices but mesh {shape} has only {shape.size} "
+                         f"devices")
+    for name in AXES:
+        whole, across = getattr(shape, name), getattr(dcn, name)
+        if whole % across:
+            raise ValueError(f"dcn_mesh {name}={across} does not divide mesh {name}={whole}: the mesh is "
+                             f"(devices per slice) x (slices) on every axis, so {name} must be a multiple of {across}")
+    return MeshShape(shape.data // dcn.data, shape.fsdp // dcn.fsdp)
+
+
+def _auto_mesh(devices: np.ndarray) -> Mesh:
+    # Auto axes: GSPMD propagates the shardings (jax.make_mesh's own default is Explicit)
+    return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def slices_of(devices: Sequence[jax.Device], count: int) -> list[list[jax.Device]]:
+    """``devices`` grouped into ``count`` slices (the units joined by the slower DCN network).
+
+    TPU multi-slice devices carry ``slice_index``: when the devices have ``count`` distinct values, those are the
+    slices (sorted by index). Otherwise (CPU and GPU devices, which have no ``slice_index``, or one TPU slice) a
+    slice is a run of ``len(devices) / count`` consecutive devices in ``(process_index, id)`` order -- on a
+    multi-host GPU cluster with one slice per host, each process's devices; on virtual CPU devices, consecutive ids.
+    Devices whose ``slice_index`` values form another number of slices are refused.
+    """
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    if count < 1 or len(devices) % count:
+        raise ValueError(f"{len(devices)} devices cannot form {count} slices of equal size")
+    indices = {getattr(d, "slice_index", None) for d in devices}
+    if None not in indices and len(indices) > 1:
+        if len(indices) != count:
+            raise ValueError(f"dcn_mesh asks for {count} slices but the devices form {len(indices)} slices "
+                             f"(slice_index {sorted(indices)})")
+        return [[d for d in devices if d.slice_index == index] for index in sorted(indices)]
+    per_slice = len(devices) // count
+    return [devices[i * per_slice:(i + 1) * per_slice] for i in range(count)]
+
+
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None, dcn: MeshShape | None = None) -> Mesh:
+    """A ``("data", "fsdp")`` mesh of ``shape.size`` devices (default: the first of ``jax.devices()``).
+
+    Without ``dcn``: devices placed by :func:`jax.make_mesh`, which follows the physical topology (TPU torus
+    rings; elsewhere the device order), with ``Auto`` axes. Devices spanning several TPU slices need ``dcn``.
+
+    With ``dcn`` (a hybrid ICI x DCN mesh for multi-slice runs): the devices form ``dcn.size`` slices
+    (:func:`slices_of`); each slice is an ICI mesh of shape ``ici_shape(shape, dcn)`` (topology-aware inside the
+    slice, :func:`jax.experimental.mesh_utils.create_device_mesh`) and the slices are tiled along the axes that
+    ``dcn`` splits: ``mesh.devices[a * I_d + i, b * I_f + j]`` is position ``(i, j)`` of slice ``a * dcn.fsdp + b``
+    (``I`` = the ICI sizes). So the collectives along an axis stay inside a slice except over the DCN factor, e.g.
+    ``dcn=data=2``: the ``fsdp`` all-gathers and reduce-scatters never leave a slice; only the gradient sum over
+    ``data`` crosses DCN.
+    """
+    from jax.experimental import mesh_utils
+
+    default = devices is None
+    devices = list(jax.devices() if default else devices)
     if shape.size > len(devices):
-        raise ValueError(f"mesh data={shape.data} x fsdp={shape.fsdp} needs {shape.size} devices, "
+        raise ValueError(f"mesh {shape} needs {shape.size} devices, "
                          f"only {len(devices)} {devices[0].platform} device(s) exist")
-    return Mesh(np.asarray(devices[: shape.size]).reshape(shape.data, shape.fsdp), AXES)
+    if dcn is None:
+        if len({getattr(d, "slice_index", 0) for d in devices[: shape.size]}) > 1:
+            raise ValueError(f"mesh {shape} spans several TPU slices: give the slices' DCN share with dcn_mesh "
+                             f"(--dcn-mesh, e.g. data=2)")
+        mesh = jax.make_mesh((shape.data, shape.fsdp), AXES, devices=devices[: shape.size])
+        return _auto_mesh(mesh.devices)
+    ici = ici_shape(shape, dcn)
+    if shape.size != len(devices):
+        if not default:
+            raise ValueError(f"a hybrid mesh {shape} (dcn_mesh {dcn}) needs exactly {shape.size} devices, "
+                             f"got {len(devices)}")
+        devices = devices[: shape.size]
+    slices = slices_of(devices, dcn.size)
+    blocks = [mesh_utils.create_device_mesh((ici.data, ici.fsdp), group, allow_split_physical_axes=True)
+              for group in slices]
+    tiled = np.block([[blocks[a * dcn.fsdp + b] for b in range(dcn.fsdp)] for a in range(dcn.data)])
+    return _auto_mesh(tiled)
 
 
 def weight_spec(shape: tuple[int, ...], fsdp: int, min_shard_elements: int = DEFAULT_MIN_SHARD_ELEMENTS

@@ -17,6 +17,8 @@ Determinism and resuming
 
 Outputs under ``out``: ``metrics.jsonl`` (one JSON object per logged step), ``training.png`` (loss and epsilon vs
 step; needs matplotlib, the ``plot`` extra, else skipped with a notice), ``summary.json``, ``checkpoints/``.
+``out`` and ``export`` may be local paths or ``gs://`` (``s3://``, ...) URLs: every file goes through
+``etils.epath`` (:mod:`dpzero_jax.rundir`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import functools
 import json
 import math
 import numbers
-import os
 import sys
 import time
 import warnings
@@ -56,7 +57,7 @@ STRATEGIES = ("gspmd", "explicit")
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
-                     "devices", "mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
+                     "devices", "mesh", "dcn_mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
                      "process_id", "rmm_diagnostics_every", "export")
 OPTIMIZERS = ("adam", "sgd", "adamw")
 EPSILON_DEFAULT = 3.0
@@ -84,6 +85,10 @@ class TrainConfig:
     ``devices`` / ``mesh``: train over a ``("data", "fsdp")`` device mesh (:mod:`dpzero_jax.sharding`): ``mesh``
     as ``"data=2,fsdp=4"``; ``devices=N`` alone means ``data=1,fsdp=N``. On a CPU-only machine these are virtual
     CPU devices, which must be requested before JAX starts (the CLI does this). None: one device, no mesh.
+    The devices are placed by :func:`jax.make_mesh` (topology-aware). ``dcn_mesh``: a multi-slice run's hybrid
+    ICI x DCN mesh, as ``"data=2"``: how many slices (TPU slices; elsewhere runs of consecutive devices, e.g. one
+    per host: :func:`sharding.slices_of`) each axis of ``mesh`` spans over the slower DCN; every ``mesh`` size must
+    be a multiple of its ``dcn_mesh`` size (:func:`sharding.make_mesh`).
     ``zero``: ZeRO stage 1, 2 or 3 (what is sharded over ``fsdp``); ``strategy``: ``"gspmd"`` (one ``jax.jit``
     with shardings; XLA inserts the collectives) or ``"explicit"`` (the gradient in ``jax.shard_map`` with
     all-gathers of the weights and reduce-scatters of their gradients written out; :func:`sharding.explicit_gradient`).
@@ -115,6 +120,7 @@ class TrainConfig:
     positions, at most 128), ``text_field`` / ``label_field`` of the JSONL records, ``tokenizer`` (a directory;
     None: the checkpoint's). Causal LM reports loss and perplexity instead of accuracy. ``export``: a directory
     where the trained model is written in ``save_pretrained`` format at the end (LoRA folded in).
+    ``out`` / ``export``: local paths or ``gs://`` / ``s3://`` / ``az://`` / ``hf://`` URLs (:mod:`dpzero_jax.rundir`).
     ``scan_layers`` (``task="causal-lm"``): the GPT-2 blocks stacked and scanned (``GPT2Config.scan_layers``): one
     block in the compiled step at any depth, the private gradient from the traced-program front-end.
     """
@@ -147,6 +153,7 @@ class TrainConfig:
     eval_every: int = 50
     devices: int | None = None
     mesh: str | None = None
+    dcn_mesh: str | None = None
     zero: int = 3
     strategy: str = "gspmd"
     precision: str = "fp32"
@@ -193,6 +200,7 @@ class TrainConfig:
             fail("model", f"one of {MODELS} or 'hf:PATH'", self.model)
         if not isinstance(self.out, str) or not self.out.strip():
             fail("out", "a non-empty directory path", self.out)
+        rundir.check_url(self.out, "TrainConfig.out")
         if self.task not in TASKS:
             fail("task", f"one of {TASKS}", self.task)
         if self.task == "causal-lm" and not self.model.startswith("hf:"):
@@ -219,6 +227,7 @@ class TrainConfig:
         if self.export is not None and (not isinstance(self.export, str) or not self.export.strip()):
             fail("export", "a directory path or None", self.export)
         if self.export is not None:
+            rundir.check_url(self.export, "TrainConfig.export")
             rundir.check_export_target(self.export, _hf_path(self))
         if self.dataset not in DATASETS:
             fail("dataset", f"one of {DATASETS}", self.dataset)
@@ -256,6 +265,16 @@ class TrainConfig:
             if self.devices is not None and self.devices != shape.size:
                 raise ValueError(f"TrainConfig.devices={self.devices} does not match mesh {self.mesh!r} "
                                  f"({shape.size} devices)")
+        if self.dcn_mesh is not None:
+            if not isinstance(self.dcn_mesh, str):
+                fail("dcn_mesh", "a string like 'data=2' or None", self.dcn_mesh)
+            if self.mesh is None and self.devices is None:
+                raise ValueError(f"TrainConfig.dcn_mesh={self.dcn_mesh!r} needs a mesh (mesh= or devices=) to split "
+                                 "into slices")
+            try:
+                sharding.ici_shape(_mesh_shape(self), sharding.parse_mesh(self.dcn_mesh, "dcn_mesh"))
+            except ValueError as error:
+                raise ValueError(f"TrainConfig.{error}") from None
         if self.zero not in sharding.ZERO_STAGES:
             fail("zero", f"one of {sharding.ZERO_STAGES}", self.zero)
         if self.strategy not in STRATEGIES:
@@ -582,7 +601,8 @@ def init_distributed(cfg: TrainConfig) -> None:
 
 
 def _make_mesh(cfg: TrainConfig):
-    """The ``("data", "fsdp")`` mesh of ``cfg`` (None: one device, no mesh)."""
+    """The ``("data", "fsdp")`` mesh of ``cfg`` over the default devices (None: one device, no mesh): from
+    :func:`jax.make_mesh`, or hybrid ICI x DCN with ``dcn_mesh`` (:func:`sharding.make_mesh`)."""
     shape = _mesh_shape(cfg)
     if shape is None:
         return None
@@ -592,7 +612,8 @@ def _make_mesh(cfg: TrainConfig):
         raise ValueError(f"devices={shape.size} but only {len(available)} {available[0].platform} device(s) exist; "
                          f"on a CPU, request virtual devices before JAX starts (the dpzero CLI does; in Python call "
                          f"jax.config.update('jax_num_cpu_devices', {shape.size}) right after importing jax)")
-    return sharding.make_mesh(shape, available)
+    dcn = None if cfg.dcn_mesh is None else sharding.parse_mesh(cfg.dcn_mesh, "dcn_mesh")
+    return sharding.make_mesh(shape, dcn=dcn)
 
 
 def _make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -614,7 +635,7 @@ class Trainer:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
-        self.out = Path(cfg.out)
+        self.out = rundir.as_path(cfg.out)   # an epath.Path: local or gs:// ...
         request_cpu_devices(cfg)   # before JAX's first operation, if this is it
         init_distributed(cfg)
         self.is_primary = jax.process_index() == 0   # writes metrics, summary and plot
@@ -1065,11 +1086,8 @@ class Trainer:
         params, opt_state = self._place(params, opt_state)
         end = self.steps if stop_at is None else min(self.steps, stop_at)
 
-        metrics_path = self.out / "metrics.jsonl" if self.is_primary else Path(os.devnull)
-        earlier = _read_metrics(metrics_path, upto=start) if restored is not None else []
-        with open(metrics_path, "w") as f:   # rows are streamed to this file, not kept in memory
-            f.writelines(json.dumps(row) + "\n" for row in earlier)
-        del earlier
+        metrics_path = self.out / "metrics.jsonl"
+        earlier = _read_metrics(metrics_path, upto=start) if restored is not None and self.is_primary else []
         test_inputs = None if "input_ids" in self.test_data else self._eval_inputs(self.test_data)
         manager = self._manager() if cfg.checkpoint_every else None
         bar = tqdm(total=self.steps, initial=start, disable=not cfg.progress, desc="dp" if not cfg.no_dp else "non-dp",
@@ -1082,7 +1100,10 @@ class Trainer:
             return ("test_" if test else "") + ("perplexity" if lm else "accuracy")
 
         try:
-            with open(metrics_path, "a") as metrics_file:
+            # rows are streamed to this file, not kept in memory (remote: staged, uploaded at each checkpoint)
+            metrics = rundir.MetricsFile(metrics_path if self.is_primary else None, earlier)
+            del earlier
+            with metrics:
                 for step in range(start, end):
                     _, noise_key = self.step_keys(step)
                     batch_info = self.sample(step)
@@ -1120,14 +1141,14 @@ class Trainer:
                         if evaluate:
                             test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
                             row.update(test_loss=float(test_loss), **{metric_name(True): float(test_acc)})
-                        metrics_file.write(json.dumps(row) + "\n")
-                        metrics_file.flush()
+                        metrics.write(row)
                         eps = row["epsilon"]
                         bar.set_postfix(loss=f"{row['loss']:.3f}", **{short: f"{float(acc):.3f}"},
                                         **({} if test_acc is None else {f"test_{short}": f"{float(test_acc):.3f}"}),
                                         eps="n/a" if eps is None else f"{eps:.2f}")
                     if manager is not None and (done % cfg.checkpoint_every == 0 or done == end):
                         self._save(manager, done, params, opt_state, ledger)
+                        metrics.sync()
         finally:
             bar.close()
             if manager is not None:
@@ -1169,8 +1190,8 @@ class Trainer:
         if cfg.plot and history:
             _plot(history, self.out / "training.png")
         if cfg.export is not None:
-            models.pretrained.save(export_model, cfg.export)
-            rundir.copy_hf_extras(_hf_path(cfg), cfg.export)
+            exported = models.pretrained.save(export_model, cfg.export)
+            rundir.copy_hf_extras(_hf_path(cfg), exported)
         return result
 
 
@@ -1329,14 +1350,14 @@ def _jsonable(value):
     return repr(value)
 
 
-def _read_metrics(path: Path, upto: int) -> list[dict]:
+def _read_metrics(path, upto: int) -> list[dict]:
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r["step"] <= upto]
 
 
-def _plot(history: list[dict], path: Path) -> None:
+def _plot(history: list[dict], path) -> None:
     """Loss and epsilon against the step, as a PNG: matplotlib's object API, so neither the global backend nor
     pyplot's figure registry is touched (safe in notebooks and other users' processes). matplotlib is optional (the
     ``plot`` extra): without it the plot is skipped with a one-line notice on stderr."""
@@ -1364,4 +1385,5 @@ def _plot(history: list[dict], path: Path) -> None:
         ax_eps.text(0.5, 0.5, "no DP", ha="center", va="center")
         ax_eps.set_axis_off()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with rundir.as_path(path).open("wb") as file:   # local or remote (epath)
+        fig.savefig(file, format="png", dpi=100)

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import re
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -441,9 +442,13 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
 
 
 # ---------------------------------------------------------------- export
-def save(model: nnx.Module, path) -> Path:
-    """Write ``model`` (GPT2, BertEncoder or ViT; LoRA adapters folded in) as a ``transformers`` checkpoint."""
-    from dpzero_jax import peft
+def save(model: nnx.Module, path):
+    """Write ``model`` (GPT2, BertEncoder or ViT; LoRA adapters folded in) as a ``transformers`` checkpoint.
+
+    ``path``: a local directory (returned as a ``pathlib.Path``) or a ``gs://`` / ``s3://`` ... URL (returned as an
+    ``etils.epath.Path``): the checkpoint is then written to a local temporary directory and its files streamed
+    there (:func:`dpzero_jax.rundir.upload_directory`)."""
+    from dpzero_jax import peft, rundir
 
     model = peft.merge_lora(model)
     if isinstance(model, GPT2):
@@ -472,7 +477,11 @@ def save(model: nnx.Module, path) -> Path:
     tensors = {}
     for entry in entries:
         tensors.update(zip(entry.names, entry.to_hf(values[entry.path]), strict=True))
-    return hf.write_checkpoint(path, hf_config, tensors)
+    if not rundir.is_remote(path):
+        return hf.write_checkpoint(path, hf_config, tensors)
+    with tempfile.TemporaryDirectory(prefix="dpzero-export-") as local:
+        hf.write_checkpoint(local, hf_config, tensors)
+        return rundir.upload_directory(Path(local), path)
 
 
 def bert_max_length(hf_config: dict, model_type: str) -> int:
