@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 
 from dpzero_jax import accounting, hf, models, peft, rmm, rmm_diagnostics, rundir, sharding, text, validation
+from dpzero_jax import checkpoints as ckpt
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
@@ -917,33 +918,13 @@ class Trainer:
             return None
         return self._row_accountant.epsilon(ledger, self.config.delta)
 
-    # ---------------------------------------------------------------- checkpoints
-    def _manager(self, read_only: bool = False):
-        import orbax.checkpoint as ocp
-
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.config.keep_checkpoints, create=not read_only,
-                                               read_only=read_only, enable_async_checkpointing=False)
-        return ocp.CheckpointManager((self.out / "checkpoints").absolute(), options=options)
+    # ---------------------------------------------------------------- checkpoints (dpzero_jax.checkpoints)
+    def _manager(self):
+        return ckpt.open_manager(self.out / "checkpoints", keep=self.config.keep_checkpoints)
 
     def _save(self, manager, step, params, opt_state, ledger):
-        import orbax.checkpoint as ocp
-
-        leaves = list(jax.tree.leaves((params, opt_state)))   # sharded arrays: every process writes its shards
-        key, step_array = np.asarray(jax.random.key_data(self.init_key)), np.asarray(step, np.int64)
-        meta = ocp.args.JsonSave({"step": step, "ledger": ledger.to_dict(),
-                                  "config": _jsonable(self.config.to_dict())})
-        if jax.process_count() == 1:
-            # One process: host copies written by numpy into one .npz (HOST_ITEM), not through tensorstore. With
-            # tensorstore 0.1.86 orbax's array handlers leak on every save: the I/O metrics its jax.Array handler
-            # reads (``experimental_collect_matching_metrics``, ~20 KB per save) and the kvstore specs it resolves
-            # (``KvStore.Spec.to_json``, per array; numpy leaves through OCDBT still ~15 KB per save). Issue 20.
-            save_args, _ = _host_arrays_args()
-            state = save_args(arrays={"leaves": jax.device_get(leaves), "key": key, "step": step_array})
-            manager.save(step, args=ocp.args.Composite(**{HOST_ITEM: state, "meta": meta}), force=True)
-        else:
-            state = {"leaves": leaves, "key": key, "step": step_array}
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=meta), force=True)
-        manager.wait_until_finished()
+        ckpt.save(manager, step, params, opt_state, jax.random.key_data(self.init_key), ledger.to_dict(),
+                         _jsonable(self.config.to_dict()))
 
     def _check_same_run(self, saved: dict) -> None:
         """Refuse to resume a checkpoint written by a different run (a mixed run would match neither config).
@@ -964,65 +945,14 @@ class Trainer:
                              f"options ({details}); use the original options or another --out")
 
     def _restore(self, params, opt_state):
-        """Newest checkpoint that restores cleanly -> (step, params, opt_state, ledger); None if there is none."""
-        import orbax.checkpoint as ocp
-
-        directory = self.out / "checkpoints"
-        if not directory.exists():
-            return None
-        manager = self._manager()
-        treedef = jax.tree.structure((params, opt_state))
-        template = jax.tree.leaves((params, opt_state))
-        if self.rules is None:
-            targets = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * len(template)
-        else:   # restored straight into this run's layout, whatever the device count that wrote it
-            targets = jax.tree.leaves((self._param_shardings, self._opt_shardings))
-        abstract = {"leaves": [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=target)
-                               for x, target in zip(template, targets, strict=True)],
-                    "key": jax.ShapeDtypeStruct((2,), np.uint32), "step": jax.ShapeDtypeStruct((), np.int64)}
-        corrupt = []   # (step, reason) of checkpoints that fail to restore
-        found = None
-        try:
-            for step in sorted(manager.all_steps(), reverse=True):
-                try:
-                    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                    saved_config, ledger = meta["config"], accounting.PrivacyLedger.from_dict(meta["ledger"])
-                except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
-                    corrupt.append((step, f"{type(error).__name__}: {error}"))
-                    warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
-                                  stacklevel=3)
-                    continue
-                self._check_same_run(saved_config)   # another run's checkpoint: refuse, touching nothing
-                try:
-                    if (directory / str(step) / HOST_ITEM).is_dir():   # one process's host copies (_save)
-                        state = _restore_host_arrays(manager, step, abstract)
-                    else:
-                        state = manager.restore(step, args=ocp.args.Composite(
-                            state=ocp.args.StandardRestore(abstract)))["state"]
-                    if int(state["step"]) != step or meta["step"] != step:
-                        raise ValueError(f"step mismatch in checkpoint {step}")
-                except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
-                    corrupt.append((step, f"{type(error).__name__}: {error}"))
-                    warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
-                                  stacklevel=3)
-                    continue
-                if not np.array_equal(np.asarray(state["key"]), np.asarray(jax.random.key_data(self.init_key))):
-                    raise ValueError(f"cannot resume from {directory}: checkpoint {step} was written with a "
-                                     f"different seed; use the original --seed or another --out")
-                params, opt_state = jax.tree.unflatten(treedef, list(state["leaves"]))
-                found = step, params, opt_state, ledger
-                break
-        finally:
-            manager.close()
+        """Newest intact checkpoint -> (step, params, opt_state, ledger); None if there is none
+        (:func:`dpzero_jax.checkpoints.restore`: damaged ones skipped with a warning, another run's refused)."""
+        shardings = None if self.rules is None else (self._param_shardings, self._opt_shardings)
+        found = ckpt.restore(self.out / "checkpoints", params, opt_state, jax.random.key_data(self.init_key),
+                                    shardings, check_config=self._check_same_run, set_aside=self.is_primary)
         if found is None:
-            if corrupt:   # nothing is moved: the user decides what to do with them
-                raise RuntimeError(f"no checkpoint in {directory} could be restored: " +
-                                   "; ".join(f"step {s}: {r}" for s, r in corrupt))
             return None
-        # the resume is accepted: set aside the unrestorable checkpoints newer than the one used, with the reason
-        for bad, reason in corrupt if self.is_primary else ():
-            rundir.set_aside(directory, bad, reason)
-        return found
+        return found.step, found.params, found.opt_state, accounting.PrivacyLedger.from_dict(found.ledger)
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: bool | str = False, stop_at: int | None = None) -> TrainResult:
@@ -1172,68 +1102,6 @@ class Trainer:
             models.pretrained.save(export_model, cfg.export)
             rundir.copy_hf_extras(_hf_path(cfg), cfg.export)
         return result
-
-
-HOST_ITEM = "host_state"   # checkpoint item of single-process runs: params, optimizer state, key, step in one .npz
-HOST_FILE = "arrays.npz"
-
-
-@functools.cache
-def _host_arrays_args():
-    """``(HostArraysSave, HostArraysRestore)``: orbax args of a handler that writes a checkpoint's host arrays with
-    ``numpy.savez`` into one file of the checkpoint's (temporary, then renamed) item directory, and reads them back.
-    Defined on first use: orbax is imported lazily."""
-    import orbax.checkpoint as ocp
-
-    class HostArraysHandler(ocp.CheckpointHandler):
-        def save(self, directory, args):
-            flat = {"key": args.arrays["key"], "step": args.arrays["step"]}
-            flat.update({f"leaf_{i}": np.asarray(x) for i, x in enumerate(args.arrays["leaves"])})
-            with open(Path(directory) / HOST_FILE, "wb") as f:
-                np.savez(f, **flat)
-
-        def restore(self, directory, args=None):
-            with np.load(Path(directory) / HOST_FILE, allow_pickle=False) as data:
-                count = sum(1 for name in data.files if name.startswith("leaf_"))
-                return {"leaves": [data[f"leaf_{i}"] for i in range(count)], "key": data["key"],
-                        "step": data["step"]}
-
-    @ocp.args.register_with_handler(HostArraysHandler, for_save=True)
-    @dataclasses.dataclass
-    class HostArraysSave(ocp.args.CheckpointArgs):
-        arrays: dict
-
-    @ocp.args.register_with_handler(HostArraysHandler, for_restore=True)
-    @dataclasses.dataclass
-    class HostArraysRestore(ocp.args.CheckpointArgs):
-        pass
-
-    return HostArraysSave, HostArraysRestore
-
-
-def _restore_host_arrays(manager, step: int, abstract: dict) -> dict:
-    """A single-process checkpoint (:data:`HOST_ITEM`) as ``abstract`` describes it: shapes and dtypes checked,
-    leaves placed with their target shardings. numpy writes extension dtypes (bfloat16) as raw bytes; they are
-    viewed back as the target dtype."""
-    import orbax.checkpoint as ocp
-
-    _, restore_args = _host_arrays_args()
-    host = manager.restore(step, args=ocp.args.Composite(**{HOST_ITEM: restore_args()}))[HOST_ITEM]
-    if len(host["leaves"]) != len(abstract["leaves"]):
-        raise ValueError(f"checkpoint holds {len(host['leaves'])} arrays, this run has {len(abstract['leaves'])}")
-
-    def check(value, spec):
-        value = np.asarray(value)
-        dtype = np.dtype(spec.dtype)
-        if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
-            value = value.view(dtype)
-        if value.shape != tuple(spec.shape) or value.dtype != dtype:
-            raise ValueError(f"array {value.shape} {value.dtype} where {tuple(spec.shape)} {dtype} was expected")
-        return value
-
-    leaves = [jax.device_put(check(v, spec), spec.sharding) for v, spec in zip(host["leaves"], abstract["leaves"])]
-    return {"leaves": leaves, "key": check(host["key"], abstract["key"]),
-            "step": check(host["step"], abstract["step"])}
 
 
 def _release_free_memory() -> None:

@@ -246,7 +246,7 @@ def test_single_process_checkpoints_bypass_tensorstore(tmp_path, monkeypatch):
     import tensorstore
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
-    from dpzero_jax.train import HOST_FILE, HOST_ITEM
+    from dpzero_jax.checkpoints import HOST_FILE, HOST_ITEM
 
     calls = []
     for module, name in ((tensorstore, "experimental_collect_matching_metrics"),
@@ -273,7 +273,7 @@ def test_resume_from_checkpoint_in_the_tensorstore_format(tmp_path):
     """Checkpoints written before (orbax's StandardSave item ``state``) still resume."""
     import orbax.checkpoint as ocp
 
-    from dpzero_jax.train import HOST_FILE, HOST_ITEM
+    from dpzero_jax.checkpoints import HOST_FILE, HOST_ITEM
 
     full = Trainer(TrainConfig(out=str(tmp_path / "full"), **{**CKPT_RUN, "checkpoint_every": 0})).run()
     cfg = TrainConfig(out=str(tmp_path / "part"), **CKPT_RUN)
