@@ -10,10 +10,12 @@ One step
 
 Determinism and resuming
     Every random choice of step ``t`` is a pure function of ``(seed, t)``, so resuming from a checkpoint at step
-    ``t`` reproduces the uninterrupted run exactly. Checkpoints (orbax ``CheckpointManager``; writes go to a
-    temporary directory that is renamed when complete) hold params, optimizer state, the key data, the step and the
-    privacy ledger (JSON). On ``resume`` the newest checkpoint that restores cleanly is used; unreadable ones are
-    skipped with a warning.
+    ``t`` reproduces the uninterrupted run exactly. Checkpoints (:mod:`dpzero_jax.checkpoints`) hold params and
+    optimizer state as named trees, the key data, the step and the privacy ledger, with a digest of every array. On
+    ``resume`` the newest intact checkpoint is used; damaged ones are skipped with a warning naming them.
+
+A run whose final evaluation is not finite (diverged) raises :class:`NonFiniteEvaluationError` once its outputs are
+written (``dpzero train`` exits with status 2).
 
 Outputs under ``out``: ``metrics.jsonl`` (one JSON object per logged step), ``training.png`` (loss and epsilon vs
 step; needs matplotlib, the ``plot`` extra, else skipped with a notice), ``summary.json``, ``checkpoints/``.
@@ -406,6 +408,19 @@ class TrainResult:
         else:
             quality = f"test accuracy {100 * self.test_accuracy:.2f}%  train accuracy {100 * self.train_accuracy:.2f}%"
         return f"{quality}  {privacy}  steps {self.steps}  q {self.sampling_rate:.4f}  time {self.runtime_s:.1f}s"
+
+
+class NonFiniteEvaluationError(RuntimeError):
+    """The run's final evaluation is not finite (NaN or infinite test loss): training diverged. Raised by
+    :meth:`Trainer.run` after the run's outputs (metrics, summary with ``evaluation_finite: false``, plot,
+    checkpoints) are written, for inspection; no export is written. ``result`` is the run's :class:`TrainResult`.
+    ``dpzero train`` prints the message and exits with status 2."""
+
+    def __init__(self, result: TrainResult, test_loss: float):
+        super().__init__(f"the final evaluation is not finite (test loss {test_loss}): training diverged after "
+                         f"{result.steps} steps; outputs kept in {result.out} for inspection, nothing exported -- "
+                         f"try a lower --lr or --max-grad-norm, or --precision fp32")
+        self.result = result
 
 
 def _hf_path(cfg: TrainConfig) -> str | None:
@@ -959,7 +974,8 @@ class Trainer:
         """``resume``: False (a new run; refused if ``out`` holds another run's outputs), True (continue from the
         newest good checkpoint; an error if there is none) or ``"or-start"`` (resume if there is a checkpoint,
         else start anew in a directory without earlier outputs). ``out`` (and ``export``) are checked writable
-        and ``out`` is locked for the duration (:mod:`dpzero_jax.rundir`)."""
+        and ``out`` is locked for the duration (:mod:`dpzero_jax.rundir`). A final evaluation that is not finite
+        raises :class:`NonFiniteEvaluationError` (carrying the result) after the outputs are written."""
         resume = rundir.resume_mode(resume)
         if resume is True and not (self.out / "checkpoints").is_dir():   # a typo in --out: create nothing
             raise FileNotFoundError(f"resume: {self.out} holds no checkpoints/ to resume from (use "
@@ -1089,18 +1105,23 @@ class Trainer:
         summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
                    if f.name not in ("params", "opt_state", "history", "model")}
         summary["ledger"] = ledger.to_dict()
+        finite = math.isfinite(float(test_loss))   # the same on every process (a global evaluation)
+        summary["evaluation_finite"] = finite
+        export = cfg.export if finite else None   # diverged weights are not exported
         export_model = model
-        if cfg.export is not None and jax.process_count() > 1:  # every process joins the all-gather; process 0 writes
+        if export is not None and jax.process_count() > 1:  # every process joins the all-gather; process 0 writes
             export_model = nnx.clone(self.model)
             nnx.update(export_model, jax.tree.map(lambda x: _to_global(x, self.rules.replicated), params))
-        if not self.is_primary:
-            return result
-        (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
-        if cfg.plot and history:
-            _plot(history, self.out / "training.png")
-        if cfg.export is not None:
-            models.pretrained.save(export_model, cfg.export)
-            rundir.copy_hf_extras(_hf_path(cfg), cfg.export)
+        if self.is_primary:
+            (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())},
+                                                              indent=2))
+            if cfg.plot and history:
+                _plot(history, self.out / "training.png")
+            if export is not None:
+                models.pretrained.save(export_model, export)
+                rundir.copy_hf_extras(_hf_path(cfg), export)
+        if not finite:
+            raise NonFiniteEvaluationError(result, float(test_loss))
         return result
 
 
