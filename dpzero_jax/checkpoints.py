@@ -84,13 +84,16 @@ def _block_sum(block: np.ndarray, index: tuple, shape: tuple[int, ...]) -> int:
 
 
 def _partial_digest(value) -> int:
-    """This process's share of :func:`array_digest`: its addressable shards with ``replica_id == 0``."""
+    """This process's share of :func:`array_digest`: its addressable shards with ``replica_id == 0`` of a
+    ``jax.Array``; all of a host array (which every process holds in full) on process 0, nothing elsewhere."""
     if isinstance(value, jax.Array):
         total = 0
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
                 total += _block_sum(np.asarray(shard.data), shard.index, value.shape)
         return total % 2**64
+    if jax.process_index() != 0:
+        return 0
     value = np.asarray(value)
     return _block_sum(value, (), value.shape)
 

@@ -419,7 +419,7 @@ class NonFiniteEvaluationError(RuntimeError):
     def __init__(self, result: TrainResult, test_loss: float):
         super().__init__(f"the final evaluation is not finite (test loss {test_loss}): training diverged after "
                          f"{result.steps} steps; outputs kept in {result.out} for inspection, nothing exported -- "
-                         f"try a lower --lr or --max-grad-norm, or --precision fp32")
+                         f"try a lower --lr (or --precision fp32)")
         self.result = result
 
 
