@@ -11,7 +11,8 @@ A checkpoint ``DIR/STEP`` (orbax ``CheckpointManager``; written to a temporary d
   array its shape, dtype and **digest**, the whole item sealed by a SHA-256 of its own content (``meta_sha256``).
 
 Digest of an array (:func:`array_digest`): the sum modulo 2^64 of a 64-bit hash of every machine word of the array
-mixed with its position in the whole array (splitmix64's finaliser, a bijection, applied twice). A sum, so that
+mixed with its position in the whole array (``mix(word ^ (position * M + C))``, ``mix`` splitmix64's finaliser, a
+bijection). A sum, so that
 every process hashes only the shards it holds (replicas once) and the partial sums add up: no process ever gathers
 a sharded array, and the digest does not depend on the mesh that wrote or reads it. SHA-256 or CRC-32C of a whole
 array would need the array in one place and one order. It guards against damage (a changed word changes the sum
@@ -53,34 +54,62 @@ TREES = ("params", "opt_state")
 
 
 # ---------------------------------------------------------------------------------------------------- digests
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on ``uint64`` (a bijection; wraps modulo 2^64)."""
-    z = z ^ (z >> np.uint64(30))
-    z = z * np.uint64(0xBF58476D1CE4E5B9)
-    z = z ^ (z >> np.uint64(27))
-    z = z * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+_POSITION_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)   # odd: position -> position * M + C is a bijection
+_POSITION_OFFSET = np.uint64(0xD1B54A32D192ED03)
+_CHUNK = 1 << 20   # words hashed at a time (a few 8-byte buffers of this length)
+
+
+def _mix_inplace(z: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on ``uint64`` in place (a bijection; wraps modulo 2^64)."""
+    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        np.right_shift(z, np.uint64(shift), out=scratch)
+        z ^= scratch
+        z *= np.uint64(multiplier)
+    np.right_shift(z, np.uint64(31), out=scratch)
+    z ^= scratch
+    return z
+
+
+def _positions(block_shape: tuple[int, ...], index: tuple, shape: tuple[int, ...]) -> np.ndarray:
+    """Row-major positions in the whole array (of ``shape``) of the elements of its part ``index``, flattened."""
+    starts = [(index[axis].start or 0) if axis < len(index) else 0 for axis in range(len(shape))]
+    if tuple(block_shape) == tuple(shape):   # the whole array
+        return np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64)
+    flat = np.zeros(block_shape, np.uint64)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        positions = np.arange(starts[axis], starts[axis] + block_shape[axis], dtype=np.uint64) * np.uint64(stride)
+        flat += positions.reshape((-1,) + (1,) * (len(shape) - axis - 1))
+        stride *= shape[axis]
+    return flat.reshape(-1)
 
 
 def _block_sum(block: np.ndarray, index: tuple, shape: tuple[int, ...]) -> int:
-    """Digest terms of ``block``, the part ``index`` (a tuple of slices) of an array of ``shape``, summed mod 2^64."""
+    """Digest terms of ``block``, the part ``index`` (a tuple of slices) of an array of ``shape``, summed mod 2^64:
+    per machine word ``w`` at word position ``p``, ``mix(w ^ (p * M + C))`` (``mix``: splitmix64's finaliser)."""
     block = np.ascontiguousarray(block)
     if block.size == 0:
         return 0
+    if block.size > _CHUNK and block.shape[0] > 1:   # large: by slabs of rows, in bounded memory
+        start = (index[0].start or 0) if index else 0
+        rows = max(1, _CHUNK // (block.size // block.shape[0]))
+        total = 0
+        for first in range(0, block.shape[0], rows):
+            part = block[first:first + rows]
+            part_index = (slice(start + first, start + first + part.shape[0]), *tuple(index)[1:])
+            total += _block_sum(part, part_index, shape)
+        return total % 2**64
     itemsize = block.dtype.itemsize
     word = next(w for w in (8, 4, 2, 1) if itemsize % w == 0)
     per_item = itemsize // word
-    words = block.reshape(-1).view(np.dtype(f"u{word}")).astype(np.uint64)
-    flat = np.zeros(block.shape, np.uint64)   # the elements' positions in the whole array, row-major
-    stride = 1
-    for axis in reversed(range(len(shape))):
-        start = index[axis].start or 0 if axis < len(index) else 0
-        positions = np.arange(start, start + block.shape[axis], dtype=np.uint64) * np.uint64(stride)
-        flat += positions.reshape((-1,) + (1,) * (len(shape) - axis - 1))
-        stride *= shape[axis]
-    position = (flat.reshape(-1, 1) * np.uint64(per_item) + np.arange(per_item, dtype=np.uint64)).reshape(-1)
-    terms = _mix(words ^ _mix(position + np.uint64(0x9E3779B97F4A7C15)))
-    return int(terms.sum(dtype=np.uint64))
+    z = block.reshape(-1).view(np.dtype(f"u{word}")).astype(np.uint64)
+    position = _positions(block.shape, index, shape)
+    if per_item > 1:   # several words per element (complex, 16-byte types)
+        position = (position[:, None] * np.uint64(per_item) + np.arange(per_item, dtype=np.uint64)).reshape(-1)
+    position *= _POSITION_MULTIPLIER
+    position += _POSITION_OFFSET
+    z ^= position
+    return int(_mix_inplace(z, position).sum(dtype=np.uint64))
 
 
 def _partial_digest(value) -> int:
