@@ -1107,21 +1107,23 @@ class Trainer:
         summary["ledger"] = ledger.to_dict()
         finite = math.isfinite(float(test_loss))   # the same on every process (a global evaluation)
         summary["evaluation_finite"] = finite
-        export = cfg.export if finite else None   # diverged weights are not exported
         export_model = model
-        if export is not None and jax.process_count() > 1:  # every process joins the all-gather; process 0 writes
+        if cfg.export is not None and jax.process_count() > 1:  # every process joins the all-gather; process 0 writes
             export_model = nnx.clone(self.model)
             nnx.update(export_model, jax.tree.map(lambda x: _to_global(x, self.rules.replicated), params))
-        if self.is_primary:
-            (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())},
-                                                              indent=2))
-            if cfg.plot and history:
-                _plot(history, self.out / "training.png")
-            if export is not None:
-                models.pretrained.save(export_model, export)
-                rundir.copy_hf_extras(_hf_path(cfg), export)
-        if not finite:
+        if not self.is_primary:
+            if not finite:
+                raise NonFiniteEvaluationError(result, float(test_loss))
+            return result
+        (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
+        if cfg.plot and history:
+            _plot(history, self.out / "training.png")
+        if not finite:   # outputs kept for inspection; diverged weights are not exported
             raise NonFiniteEvaluationError(result, float(test_loss))
+
+        if cfg.export is not None:
+            models.pretrained.save(export_model, cfg.export)
+            rundir.copy_hf_extras(_hf_path(cfg), cfg.export)
         return result
 
 
