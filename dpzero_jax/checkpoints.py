@@ -187,14 +187,22 @@ def _host_arrays_args():
     import orbax.checkpoint as ocp
 
     class HostArraysHandler(ocp.CheckpointHandler):
+        # zip needs a seekable file: local files are used as they are, remote objects through memory
         def save(self, directory, args):
-            buffer = io.BytesIO()   # zip needs a seekable file; object stores give streams
+            path = epath.Path(directory) / HOST_FILE
+            if "://" not in str(path):
+                with path.open("wb") as f:
+                    np.savez(f, **args.arrays)
+                return
+            buffer = io.BytesIO()
             np.savez(buffer, **args.arrays)
-            (epath.Path(directory) / HOST_FILE).write_bytes(buffer.getvalue())
+            with path.open("wb") as f:
+                f.write(buffer.getbuffer())
 
         def restore(self, directory, args=None):
-            data = (epath.Path(directory) / HOST_FILE).read_bytes()
-            with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+            path = epath.Path(directory) / HOST_FILE
+            source = path.open("rb") if "://" not in str(path) else io.BytesIO(path.read_bytes())
+            with source, np.load(source, allow_pickle=False) as arrays:
                 return {name: arrays[name] for name in arrays.files}
 
     @ocp.args.register_with_handler(HostArraysHandler, for_save=True)
