@@ -10,10 +10,12 @@ One step
 
 Determinism and resuming
     Every random choice of step ``t`` is a pure function of ``(seed, t)``, so resuming from a checkpoint at step
-    ``t`` reproduces the uninterrupted run exactly. Checkpoints (orbax ``CheckpointManager``; writes go to a
-    temporary directory that is renamed when complete) hold params, optimizer state, the key data, the step and the
-    privacy ledger (JSON). On ``resume`` the newest checkpoint that restores cleanly is used; unreadable ones are
-    skipped with a warning.
+    ``t`` reproduces the uninterrupted run exactly. Checkpoints (:mod:`dpzero_jax.checkpoints`) hold params and
+    optimizer state as named trees, the key data, the step and the privacy ledger, with a digest of every array. On
+    ``resume`` the newest intact checkpoint is used; damaged ones are skipped with a warning naming them.
+
+A run whose final evaluation is not finite (diverged) raises :class:`NonFiniteEvaluationError` once its outputs are
+written (``dpzero train`` exits with status 2).
 
 Outputs under ``out``: ``metrics.jsonl`` (one JSON object per logged step), ``training.png`` (loss and epsilon vs
 step; needs matplotlib, the ``plot`` extra, else skipped with a notice), ``summary.json``, ``checkpoints/``.
@@ -41,6 +43,7 @@ import optax
 from flax import nnx
 
 from dpzero_jax import accounting, hf, models, peft, rmm, rmm_diagnostics, rundir, sharding, text, validation
+from dpzero_jax import checkpoints as ckpt
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
@@ -424,6 +427,19 @@ class TrainResult:
         else:
             quality = f"test accuracy {100 * self.test_accuracy:.2f}%  train accuracy {100 * self.train_accuracy:.2f}%"
         return f"{quality}  {privacy}  steps {self.steps}  q {self.sampling_rate:.4f}  time {self.runtime_s:.1f}s"
+
+
+class NonFiniteEvaluationError(RuntimeError):
+    """The run's final evaluation is not finite (NaN or infinite test loss): training diverged. Raised by
+    :meth:`Trainer.run` after the run's outputs (metrics, summary with ``evaluation_finite: false``, plot,
+    checkpoints) are written, for inspection; no export is written. ``result`` is the run's :class:`TrainResult`.
+    ``dpzero train`` prints the message and exits with status 2."""
+
+    def __init__(self, result: TrainResult, test_loss: float):
+        super().__init__(f"the final evaluation is not finite (test loss {test_loss}): training diverged after "
+                         f"{result.steps} steps; outputs kept in {result.out} for inspection, nothing exported -- "
+                         f"try a lower --lr (or --precision fp32)")
+        self.result = result
 
 
 def _hf_path(cfg: TrainConfig) -> str | None:
@@ -938,33 +954,13 @@ class Trainer:
             return None
         return self._row_accountant.epsilon(ledger, self.config.delta)
 
-    # ---------------------------------------------------------------- checkpoints
-    def _manager(self, read_only: bool = False):
-        import orbax.checkpoint as ocp
-
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.config.keep_checkpoints, create=not read_only,
-                                               read_only=read_only, enable_async_checkpointing=False)
-        return ocp.CheckpointManager((self.out / "checkpoints").absolute(), options=options)
+    # ---------------------------------------------------------------- checkpoints (dpzero_jax.checkpoints)
+    def _manager(self):
+        return ckpt.open_manager(self.out / "checkpoints", keep=self.config.keep_checkpoints)
 
     def _save(self, manager, step, params, opt_state, ledger):
-        import orbax.checkpoint as ocp
-
-        leaves = list(jax.tree.leaves((params, opt_state)))   # sharded arrays: every process writes its shards
-        key, step_array = np.asarray(jax.random.key_data(self.init_key)), np.asarray(step, np.int64)
-        meta = ocp.args.JsonSave({"step": step, "ledger": ledger.to_dict(),
-                                  "config": _jsonable(self.config.to_dict())})
-        if jax.process_count() == 1:
-            # One process: host copies written by numpy into one .npz (HOST_ITEM), not through tensorstore. With
-            # tensorstore 0.1.86 orbax's array handlers leak on every save: the I/O metrics its jax.Array handler
-            # reads (``experimental_collect_matching_metrics``, ~20 KB per save) and the kvstore specs it resolves
-            # (``KvStore.Spec.to_json``, per array; numpy leaves through OCDBT still ~15 KB per save). Issue 20.
-            save_args, _ = _host_arrays_args()
-            state = save_args(arrays={"leaves": jax.device_get(leaves), "key": key, "step": step_array})
-            manager.save(step, args=ocp.args.Composite(**{HOST_ITEM: state, "meta": meta}), force=True)
-        else:
-            state = {"leaves": leaves, "key": key, "step": step_array}
-            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=meta), force=True)
-        manager.wait_until_finished()
+        ckpt.save(manager, step, params, opt_state, jax.random.key_data(self.init_key), ledger.to_dict(),
+                         _jsonable(self.config.to_dict()))
 
     def _check_same_run(self, saved: dict) -> None:
         """Refuse to resume a checkpoint written by a different run (a mixed run would match neither config).
@@ -985,72 +981,22 @@ class Trainer:
                              f"options ({details}); use the original options or another --out")
 
     def _restore(self, params, opt_state):
-        """Newest checkpoint that restores cleanly -> (step, params, opt_state, ledger); None if there is none."""
-        import orbax.checkpoint as ocp
-
-        directory = self.out / "checkpoints"
-        if not directory.exists():
-            return None
-        manager = self._manager()
-        treedef = jax.tree.structure((params, opt_state))
-        template = jax.tree.leaves((params, opt_state))
-        if self.rules is None:
-            targets = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * len(template)
-        else:   # restored straight into this run's layout, whatever the device count that wrote it
-            targets = jax.tree.leaves((self._param_shardings, self._opt_shardings))
-        abstract = {"leaves": [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=target)
-                               for x, target in zip(template, targets, strict=True)],
-                    "key": jax.ShapeDtypeStruct((2,), np.uint32), "step": jax.ShapeDtypeStruct((), np.int64)}
-        corrupt = []   # (step, reason) of checkpoints that fail to restore
-        found = None
-        try:
-            for step in sorted(manager.all_steps(), reverse=True):
-                try:
-                    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                    saved_config, ledger = meta["config"], accounting.PrivacyLedger.from_dict(meta["ledger"])
-                except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
-                    corrupt.append((step, f"{type(error).__name__}: {error}"))
-                    warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
-                                  stacklevel=3)
-                    continue
-                self._check_same_run(saved_config)   # another run's checkpoint: refuse, touching nothing
-                try:
-                    if (directory / str(step) / HOST_ITEM).is_dir():   # one process's host copies (_save)
-                        state = _restore_host_arrays(manager, step, abstract)
-                    else:
-                        state = manager.restore(step, args=ocp.args.Composite(
-                            state=ocp.args.StandardRestore(abstract)))["state"]
-                    if int(state["step"]) != step or meta["step"] != step:
-                        raise ValueError(f"step mismatch in checkpoint {step}")
-                except Exception as error:  # noqa: BLE001 -- any unreadable checkpoint is skipped
-                    corrupt.append((step, f"{type(error).__name__}: {error}"))
-                    warnings.warn(f"skipping unreadable checkpoint at step {step}: {error}", RuntimeWarning,
-                                  stacklevel=3)
-                    continue
-                if not np.array_equal(np.asarray(state["key"]), np.asarray(jax.random.key_data(self.init_key))):
-                    raise ValueError(f"cannot resume from {directory}: checkpoint {step} was written with a "
-                                     f"different seed; use the original --seed or another --out")
-                params, opt_state = jax.tree.unflatten(treedef, list(state["leaves"]))
-                found = step, params, opt_state, ledger
-                break
-        finally:
-            manager.close()
+        """Newest intact checkpoint -> (step, params, opt_state, ledger); None if there is none
+        (:func:`dpzero_jax.checkpoints.restore`: damaged ones skipped with a warning, another run's refused)."""
+        shardings = None if self.rules is None else (self._param_shardings, self._opt_shardings)
+        found = ckpt.restore(self.out / "checkpoints", params, opt_state, jax.random.key_data(self.init_key),
+                                    shardings, check_config=self._check_same_run, set_aside=self.is_primary)
         if found is None:
-            if corrupt:   # nothing is moved: the user decides what to do with them
-                raise RuntimeError(f"no checkpoint in {directory} could be restored: " +
-                                   "; ".join(f"step {s}: {r}" for s, r in corrupt))
             return None
-        # the resume is accepted: set aside the unrestorable checkpoints newer than the one used, with the reason
-        for bad, reason in corrupt if self.is_primary else ():
-            rundir.set_aside(directory, bad, reason)
-        return found
+        return found.step, found.params, found.opt_state, accounting.PrivacyLedger.from_dict(found.ledger)
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: bool | str = False, stop_at: int | None = None) -> TrainResult:
         """``resume``: False (a new run; refused if ``out`` holds another run's outputs), True (continue from the
         newest good checkpoint; an error if there is none) or ``"or-start"`` (resume if there is a checkpoint,
         else start anew in a directory without earlier outputs). ``out`` (and ``export``) are checked writable
-        and ``out`` is locked for the duration (:mod:`dpzero_jax.rundir`)."""
+        and ``out`` is locked for the duration (:mod:`dpzero_jax.rundir`). A final evaluation that is not finite
+        raises :class:`NonFiniteEvaluationError` (carrying the result) after the outputs are written."""
         resume = rundir.resume_mode(resume)
         if resume is True and not (self.out / "checkpoints").is_dir():   # a typo in --out: create nothing
             raise FileNotFoundError(f"resume: {self.out} holds no checkpoints/ to resume from (use "
@@ -1180,81 +1126,26 @@ class Trainer:
         summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
                    if f.name not in ("params", "opt_state", "history", "model")}
         summary["ledger"] = ledger.to_dict()
+        finite = math.isfinite(float(test_loss))   # the same on every process (a global evaluation)
+        summary["evaluation_finite"] = finite
         export_model = model
         if cfg.export is not None and jax.process_count() > 1:  # every process joins the all-gather; process 0 writes
             export_model = nnx.clone(self.model)
             nnx.update(export_model, jax.tree.map(lambda x: _to_global(x, self.rules.replicated), params))
         if not self.is_primary:
+            if not finite:
+                raise NonFiniteEvaluationError(result, float(test_loss))
             return result
         (self.out / "summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg.to_dict())}, indent=2))
         if cfg.plot and history:
             _plot(history, self.out / "training.png")
+        if not finite:   # outputs kept for inspection; diverged weights are not exported
+            raise NonFiniteEvaluationError(result, float(test_loss))
+
         if cfg.export is not None:
             exported = models.pretrained.save(export_model, cfg.export)
             rundir.copy_hf_extras(_hf_path(cfg), exported)
         return result
-
-
-HOST_ITEM = "host_state"   # checkpoint item of single-process runs: params, optimizer state, key, step in one .npz
-HOST_FILE = "arrays.npz"
-
-
-@functools.cache
-def _host_arrays_args():
-    """``(HostArraysSave, HostArraysRestore)``: orbax args of a handler that writes a checkpoint's host arrays with
-    ``numpy.savez`` into one file of the checkpoint's (temporary, then renamed) item directory, and reads them back.
-    Defined on first use: orbax is imported lazily."""
-    import orbax.checkpoint as ocp
-
-    class HostArraysHandler(ocp.CheckpointHandler):
-        def save(self, directory, args):
-            flat = {"key": args.arrays["key"], "step": args.arrays["step"]}
-            flat.update({f"leaf_{i}": np.asarray(x) for i, x in enumerate(args.arrays["leaves"])})
-            with open(Path(directory) / HOST_FILE, "wb") as f:
-                np.savez(f, **flat)
-
-        def restore(self, directory, args=None):
-            with np.load(Path(directory) / HOST_FILE, allow_pickle=False) as data:
-                count = sum(1 for name in data.files if name.startswith("leaf_"))
-                return {"leaves": [data[f"leaf_{i}"] for i in range(count)], "key": data["key"],
-                        "step": data["step"]}
-
-    @ocp.args.register_with_handler(HostArraysHandler, for_save=True)
-    @dataclasses.dataclass
-    class HostArraysSave(ocp.args.CheckpointArgs):
-        arrays: dict
-
-    @ocp.args.register_with_handler(HostArraysHandler, for_restore=True)
-    @dataclasses.dataclass
-    class HostArraysRestore(ocp.args.CheckpointArgs):
-        pass
-
-    return HostArraysSave, HostArraysRestore
-
-
-def _restore_host_arrays(manager, step: int, abstract: dict) -> dict:
-    """A single-process checkpoint (:data:`HOST_ITEM`) as ``abstract`` describes it: shapes and dtypes checked,
-    leaves placed with their target shardings. numpy writes extension dtypes (bfloat16) as raw bytes; they are
-    viewed back as the target dtype."""
-    import orbax.checkpoint as ocp
-
-    _, restore_args = _host_arrays_args()
-    host = manager.restore(step, args=ocp.args.Composite(**{HOST_ITEM: restore_args()}))[HOST_ITEM]
-    if len(host["leaves"]) != len(abstract["leaves"]):
-        raise ValueError(f"checkpoint holds {len(host['leaves'])} arrays, this run has {len(abstract['leaves'])}")
-
-    def check(value, spec):
-        value = np.asarray(value)
-        dtype = np.dtype(spec.dtype)
-        if value.dtype != dtype and value.dtype.kind == "V" and value.dtype.itemsize == dtype.itemsize:
-            value = value.view(dtype)
-        if value.shape != tuple(spec.shape) or value.dtype != dtype:
-            raise ValueError(f"array {value.shape} {value.dtype} where {tuple(spec.shape)} {dtype} was expected")
-        return value
-
-    leaves = [jax.device_put(check(v, spec), spec.sharding) for v, spec in zip(host["leaves"], abstract["leaves"])]
-    return {"leaves": leaves, "key": check(host["key"], abstract["key"]),
-            "step": check(host["step"], abstract["step"])}
 
 
 def _release_free_memory() -> None:

@@ -246,7 +246,7 @@ def test_single_process_checkpoints_bypass_tensorstore(tmp_path, monkeypatch):
     import tensorstore
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
-    from dpzero_jax.train import HOST_FILE, HOST_ITEM
+    from dpzero_jax.checkpoints import HOST_FILE, HOST_ITEM
 
     calls = []
     for module, name in ((tensorstore, "experimental_collect_matching_metrics"),
@@ -269,27 +269,25 @@ def test_single_process_checkpoints_bypass_tensorstore(tmp_path, monkeypatch):
     assert resumed.epsilon == full.epsilon
 
 
-def test_resume_from_checkpoint_in_the_tensorstore_format(tmp_path):
-    """Checkpoints written before (orbax's StandardSave item ``state``) still resume."""
+def test_checkpoint_of_the_numbered_leaves_format_is_refused(tmp_path):
+    """Checkpoints written before named trees (format 1: orbax's StandardSave item ``state`` with a list of numbered
+    leaves, a meta item without digests) are refused with a message saying so; nothing is moved or trained on."""
     import orbax.checkpoint as ocp
 
-    from dpzero_jax.train import HOST_FILE, HOST_ITEM
-
-    full = Trainer(TrainConfig(out=str(tmp_path / "full"), **{**CKPT_RUN, "checkpoint_every": 0})).run()
     cfg = TrainConfig(out=str(tmp_path / "part"), **CKPT_RUN)
     Trainer(cfg).run(stop_at=10)
     directory = (tmp_path / "part" / "checkpoints").absolute()
-    with np.load(directory / "10" / HOST_ITEM / HOST_FILE) as data:
-        count = sum(1 for name in data.files if name.startswith("leaf_"))
-        state = {"leaves": [data[f"leaf_{i}"] for i in range(count)], "key": data["key"], "step": data["step"]}
+    with np.load(directory / "10" / "host_state" / "arrays.npz") as data:
+        leaves = [data[name] for name in data.files if "/" in name]
+        state = {"leaves": leaves, "key": data["key"], "step": data["step"]}
     meta = json.loads((directory / "10" / "meta" / "metadata").read_text())
+    meta = {k: meta[k] for k in ("step", "ledger", "config")}   # what format 1 wrote
     shutil.rmtree(directory)
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         create=True, enable_async_checkpointing=False))
     manager.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
     manager.wait_until_finished()
     manager.close()
-    assert not (directory / "10" / HOST_ITEM).exists()
-    resumed = Trainer(cfg).run(resume=True)
-    _same_params(resumed.params, full.params)
-    assert resumed.epsilon == full.epsilon
+    with pytest.raises(ValueError, match="predates named checkpoints"):
+        Trainer(cfg).run(resume=True)
+    assert sorted(p.name for p in directory.iterdir()) == ["10"]

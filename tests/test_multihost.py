@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -74,3 +75,72 @@ def test_multi_process_options_are_checked():
         TrainConfig(coordinator="localhost", num_processes=2, process_id=0, mesh="fsdp=4")
     with pytest.raises(ValueError, match="needs a mesh"):
         TrainConfig(coordinator="127.0.0.1:1234", num_processes=2, process_id=0)
+
+
+def _flip(path, offset: int, length: int) -> None:
+    data = bytearray(path.read_bytes())
+    offset = min(max(offset, 0), max(len(data) - length, 0))
+    data[offset:offset + length] = bytes(b ^ 0xFF for b in data[offset:offset + length])
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {"start": lambda n: (0, 1), "middle": lambda n: (n // 2, 1), "end": lambda n: (n - 1, 1),
+          "run256": lambda n: (n // 2 - 128, 256)}
+
+
+def _resume_damaged(two_processes, tmp_path, select):
+    """Bytes flipped in the files of the 2-process (StandardSave, OCDBT) checkpoint at step 4 that ``select``
+    picks, 4 places each; one process resumes each case (one Trainer: its compiled step is reused). Every case is
+    refused or ends as the uninterrupted run; the digests catch damage that OCDBT reads without error."""
+    import shutil
+    import warnings
+
+    out, _ = two_processes
+    straight = Trainer(TrainConfig(out=str(tmp_path / "straight"), steps=6, **RUN)).run()
+    latest = out / "checkpoints" / "4"
+    files = sorted(str(p.relative_to(latest)) for p in latest.rglob("*") if p.is_file() and select(p))
+    case = tmp_path / "case"
+    trainer = Trainer(TrainConfig(out=str(case), steps=6, **RUN))
+    outcomes = {}
+    for file in files:
+        for place, where in DAMAGE.items():
+            shutil.rmtree(case, ignore_errors=True)
+            shutil.copytree(out, case)
+            _flip(case / "checkpoints" / "4" / file, *where((case / "checkpoints" / "4" / file).stat().st_size))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    resumed = trainer.run(resume=True)
+                except (ValueError, RuntimeError) as error:
+                    outcomes[file, place] = f"refused: {error}"
+                    continue
+            for a, b in zip(resumed.history, straight.history, strict=True):
+                assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5), (file, place)
+            for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params), strict=True):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=file)
+            assert resumed.epsilon == pytest.approx(straight.epsilon, rel=1e-9)
+            skipped = [str(w.message) for w in caught if "skipping unreadable checkpoint at step 4" in str(w.message)]
+            outcomes[file, place] = skipped[0] if skipped else "intact"
+    return files, outcomes
+
+
+def _largest_data_file(path) -> bool:
+    """The largest file of each process's OCDBT data (``state/ocdbt.process_N/d/``): array chunks, which OCDBT's
+    b-tree checksums do not cover."""
+    if path.parent.name != "d" or not path.parent.parent.name.startswith("ocdbt.process_"):
+        return False
+    return path.stat().st_size == max(p.stat().st_size for p in path.parent.iterdir())
+
+
+def test_damaged_array_data_of_a_two_process_checkpoint_is_caught(two_processes, tmp_path):
+    files, outcomes = _resume_damaged(two_processes, tmp_path, _largest_data_file)
+    assert len(files) == 2
+    assert files and len(outcomes) == 4 * len(files)
+    assert any("does not match its digest" in text for text in outcomes.values()), \
+        {k: v[:300] for k, v in outcomes.items()}
+
+
+@pytest.mark.slow
+def test_damage_in_every_file_of_a_two_process_checkpoint_never_trains(two_processes, tmp_path):
+    files, outcomes = _resume_damaged(two_processes, tmp_path, lambda p: True)
+    assert len(outcomes) == 4 * len(files) >= 40

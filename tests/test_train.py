@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -39,7 +40,8 @@ def test_metrics_and_epsilon_grow(tmp_path):
     assert eps[-1] == pytest.approx(result.epsilon) and result.epsilon <= 3.0
     assert result.steps == 30 and 0 <= result.test_accuracy <= 1
     assert (tmp_path / "training.png").stat().st_size > 0
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 30
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["evaluation_finite"] is True
 
 
 def test_resume_equals_uninterrupted(uninterrupted, tmp_path):
@@ -95,6 +97,85 @@ def test_all_checkpoints_damaged_is_a_clear_error(uninterrupted, tmp_path):
             path.write_bytes(b"garbage")
     with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="no checkpoint .* could be restored"):
         Trainer(TrainConfig(out=str(tmp_path), **TINY)).run(resume=True)
+
+
+def _flip(path, offset: int, length: int) -> None:
+    data = bytearray(path.read_bytes())
+    offset = min(max(offset, 0), max(len(data) - length, 0))
+    data[offset:offset + length] = bytes(b ^ 0xFF for b in data[offset:offset + length])
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {"start": lambda n: (0, 1), "middle": lambda n: (n // 2, 1), "end": lambda n: (n - 1, 1),
+          "run256": lambda n: (n // 2 - 128, 256)}
+
+
+def _damage_cases(files):
+    return [(f, place) for f in files for place in DAMAGE]
+
+
+def _resume_damaged(uninterrupted, tmp_path, cases):
+    """Bytes flipped in one file of the latest checkpoint per case, then resume (one Trainer for all cases: its
+    compiled step is reused). Every case is refused or ends exactly as the uninterrupted run."""
+    full_out, full = uninterrupted
+    out = tmp_path / "case"
+    trainer = Trainer(TrainConfig(out=str(out), **TINY))
+    outcomes = {}
+    for file, place in cases:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        shutil.copytree(full_out / "checkpoints", out / "checkpoints")
+        shutil.copy(full_out / "metrics.jsonl", out / "metrics.jsonl")
+        _flip(out / "checkpoints" / "20" / file, *DAMAGE[place]((out / "checkpoints" / "20" / file).stat().st_size))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                resumed = trainer.run(resume=True)
+            except (ValueError, RuntimeError) as error:   # refused
+                outcomes[file, place] = f"refused: {error}"
+                continue
+        for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(full.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{file} {place}")
+        assert resumed.epsilon == full.epsilon and resumed.steps == 20, (file, place)
+        skipped = [str(w.message) for w in caught if "skipping unreadable checkpoint at step 20" in str(w.message)]
+        outcomes[file, place] = skipped[0] if skipped else "intact"
+    return outcomes
+
+
+def _checkpoint_files(full_out):
+    latest = full_out / "checkpoints" / "20"
+    return sorted(str(p.relative_to(latest)) for p in latest.rglob("*") if p.is_file())
+
+
+def test_flipped_bytes_in_every_file_of_the_latest_checkpoint_never_train(uninterrupted, tmp_path):
+    """Issue 17's evidence: bytes flipped in each file of the latest checkpoint, at its start, middle and end and as
+    a 256-byte run in the middle (24 cases): every case resumes exactly as the uninterrupted run (from the previous
+    checkpoint, or from the latest when its digests show the arrays intact) or is refused."""
+    files = _checkpoint_files(uninterrupted[0])
+    assert {"host_state/arrays.npz", "meta/metadata"} <= set(files)
+    outcomes = _resume_damaged(uninterrupted, tmp_path, _damage_cases(files))
+    assert len(outcomes) == 4 * len(files) >= 24
+    # damage inside the arrays and anywhere in the meta item is detected (a flip in the zip's trailer may leave
+    # every array intact: then the digests match and the checkpoint is rightly used)
+    detected = [(f, p) for f in files for p in DAMAGE
+                if f == "meta/metadata" or (f == "host_state/arrays.npz" and p in ("middle", "run256"))]
+    assert all(outcomes[case] != "intact" for case in detected), outcomes
+
+
+def test_a_diverged_run_says_so_and_fails(tmp_path, capsys):
+    """A final evaluation that is not finite: Trainer.run raises NonFiniteEvaluationError after writing the
+    outputs (summary says evaluation_finite: false), and `dpzero train` exits with status 2 saying why."""
+    from dpzero_jax.train import NonFiniteEvaluationError
+
+    diverge = {**{k: v for k, v in TINY.items() if k != "epsilon"}, "steps": 3, "checkpoint_every": 0,
+               "no_dp": True, "optimizer": "sgd", "lr": 1e38}
+    with pytest.raises(NonFiniteEvaluationError, match="final evaluation is not finite") as error:
+        Trainer(TrainConfig(out=str(tmp_path / "api"), **diverge)).run()
+    assert not np.isfinite(error.value.result.test_loss) and error.value.result.steps == 3
+    assert json.loads((tmp_path / "api" / "summary.json").read_text())["evaluation_finite"] is False
+    assert main(["train", "--no-dp", "--optimizer", "sgd", "--lr", "1e38", "--steps", "3", "--checkpoint-every", "0",
+                 "--out", str(tmp_path / "cli"), "--no-progress"]) == 2
+    assert "final evaluation is not finite" in capsys.readouterr().err
 
 
 def test_refuses_to_overwrite_checkpoints_without_resume(uninterrupted):
