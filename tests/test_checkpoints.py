@@ -190,38 +190,7 @@ def test_damage_on_the_standard_save_path_is_never_restored(tmp_path):
     assert any("does not match its digest" in text for text in outcomes.values()), outcomes
 
 
-@pytest.fixture
-def memory_gs(monkeypatch, tmp_path):
-    """``gs://`` routed by etils.epath to an in-memory fsspec store (no network); the test runs in ``tmp_path`` so
-    that a URL wrongly taken as a local path would show up there as a ``gs:`` folder."""
-    from etils.epath import backend, gpath
-    from fsspec.implementations.memory import MemoryFileSystem
-    from orbax.checkpoint._src.path import gcs_utils
-
-    class MemoryGS(MemoryFileSystem):
-        protocol = ("gs",)
-
-        @classmethod
-        def _strip_protocol(cls, path):
-            return MemoryFileSystem._strip_protocol("/" + str(path).removeprefix("gs://").lstrip("/"))
-
-    fs = MemoryGS(skip_instance_cache=True)
-
-    class Backend(backend._FileSystemSpecBackend):   # noqa: SLF001 -- epath's fsspec backend on one filesystem
-        def fs(self, path):
-            return fs
-
-        def glob(self, path):
-            return ["gs://" + p.lstrip("/") for p in fs.glob(path)]
-
-    monkeypatch.setitem(gpath._PREFIX_TO_BACKEND, "gs", Backend())   # noqa: SLF001
-    monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)
-    monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)   # asks GCS otherwise
-    monkeypatch.chdir(tmp_path)
-    return fs
-
-
-def test_checkpoints_in_a_gs_bucket(memory_gs, tmp_path):
+def test_checkpoints_in_a_gs_bucket(fake_gcs):
     """Writing, pruning (keep), falling back from a damaged checkpoint and setting it aside, all through epath on a
     ``gs://`` URL: everything lands in the (in-memory) bucket, nothing on the local disk."""
     url = "gs://bucket/run/checkpoints"
@@ -232,19 +201,19 @@ def test_checkpoints_in_a_gs_bucket(memory_gs, tmp_path):
         ckpt.save(manager, step, params, opt_state, KEY, {"events": [step]}, {"seed": 42})
         saved[step] = (params, opt_state)
     manager.close()
-    steps = {key.split("/")[4] for key in memory_gs.store}
-    assert steps == {"2", "3"} and list(tmp_path.iterdir()) == []
+    steps = {key.split("/")[4] for key in fake_gcs.fs.store}
+    assert steps == {"2", "3"} and fake_gcs.local_leak() == [] and list(fake_gcs.cwd.iterdir()) == []
     restored = ckpt.restore(url, *_state(), KEY)
     assert restored.step == 3
     _assert_equal((restored.params, restored.opt_state), saved[3])
     arrays = f"/bucket/run/checkpoints/3/{ckpt.HOST_ITEM}/{ckpt.HOST_FILE}"
-    data = bytearray(memory_gs.store[arrays].getvalue())
+    data = bytearray(fake_gcs.fs.store[arrays].getvalue())
     data[len(data) // 2] ^= 0xFF
-    memory_gs.pipe_file(arrays, bytes(data))
+    fake_gcs.fs.pipe_file(arrays, bytes(data))
     with pytest.warns(RuntimeWarning, match=f"skipping unreadable checkpoint at step 3 \\({url}/3\\)"):
         restored = ckpt.restore(url, *_state(), KEY)
     assert restored.step == 2
     _assert_equal((restored.params, restored.opt_state), saved[2])
-    steps = {key.split("/")[4] for key in memory_gs.store}
+    steps = {key.split("/")[4] for key in fake_gcs.fs.store}
     assert "3" not in steps and any(s.startswith("3.unreadable-") for s in steps)   # set aside in the bucket
-    assert list(tmp_path.iterdir()) == []
+    assert fake_gcs.local_leak() == [] and list(fake_gcs.cwd.iterdir()) == []

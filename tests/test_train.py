@@ -55,6 +55,24 @@ def test_resume_equals_uninterrupted(uninterrupted, tmp_path):
     assert _rows(tmp_path) == _rows(full_out)
 
 
+def test_run_in_a_gs_bucket_resumes_exactly(uninterrupted, fake_gcs):
+    """``--out gs://...`` (the in-memory bucket of tests/fake_gcs.py): killed after the step-10 checkpoint and
+    resumed by a fresh Trainer, the run ends with the local uninterrupted run's parameters, epsilon and metrics; its
+    checkpoints, metrics and summary are objects in the bucket and nothing is written to a local ``gs:`` folder."""
+    full_out, full = uninterrupted
+    cfg = TrainConfig(out=f"{fake_gcs.url}/run", **TINY)
+    assert Trainer(cfg).run(stop_at=10).steps == 10
+    resumed = Trainer(cfg).run(resume=True)
+    _assert_same_params(resumed.params, full.params)
+    assert resumed.epsilon == full.epsilon and resumed.steps == 20
+    rows = [json.loads(line) for line in fake_gcs.path("run", "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [r["step"] for r in _rows(full_out)]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(full_out)]
+    objects = fake_gcs.files()
+    assert any("/run/checkpoints/20/" in url for url in objects) and f"{fake_gcs.url}/run/summary.json" in objects
+    assert fake_gcs.local_leak() == []
+
+
 def test_damaged_latest_checkpoint_falls_back(uninterrupted, tmp_path):
     full_out, full = uninterrupted
     shutil.copytree(full_out / "checkpoints", tmp_path / "checkpoints")
