@@ -310,17 +310,13 @@ def _load_config_file(path: str) -> dict:
     import json
     from pathlib import Path
 
-    from dpzero_jax.validation import read_text
+    from dpzero_jax.validation import import_optional, read_text
 
     file = Path(path)
     text = read_text(file, "--config")
+    yaml = import_optional("yaml", "train", "a YAML --config file") if file.suffix in (".yaml", ".yml") else None
     try:
-        if file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+        data = json.loads(text) if yaml is None else yaml.safe_load(text)
     except Exception as error:  # noqa: BLE001 -- any parse error becomes a one-line message
         raise ValueError(f"--config: cannot parse {path!r}: {error}") from None
     if data is None:

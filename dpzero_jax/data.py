@@ -11,17 +11,19 @@ DATASETS = ("digits",)
 
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """scikit-learn's bundled 8x8 digits (1797 examples, 10 classes), split with a fixed seed and standardised.
+    """scikit-learn's bundled 8x8 digits (1797 examples, 10 classes), split with a fixed seed and standardised
+    (scikit-learn comes with the ``train`` extra).
 
     The split is stratified and depends only on ``seed``; features are standardised with the TRAIN mean and
     standard deviation (per pixel; constant pixels keep std 1). Images are ``[N, 8, 8, 1]``.
     """
-    from sklearn.datasets import load_digits as sk_load_digits
-    from sklearn.model_selection import train_test_split
+    from dpzero_jax.validation import import_optional
 
+    datasets = import_optional("sklearn.datasets", "train", "the digits data set")
+    train_test_split = import_optional("sklearn.model_selection", "train", "the digits data set").train_test_split
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    digits = sk_load_digits()
+    digits = datasets.load_digits()
     x = digits.data.astype(np.float32)
     y = digits.target.astype(np.int32)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_fraction, random_state=seed,

@@ -1012,8 +1012,7 @@ class Trainer:
                 lock.release()
 
     def _run(self, resume, stop_at: int | None) -> TrainResult:
-        from tqdm.auto import tqdm
-
+        tqdm = _progress_bar_class(self.config.progress)
         cfg = self.config
         start_time = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
@@ -1146,6 +1145,34 @@ class Trainer:
             exported = models.pretrained.save(export_model, cfg.export)
             rundir.copy_hf_extras(_hf_path(cfg), exported)
         return result
+
+
+def _progress_bar_class(wanted: bool):
+    """``tqdm.auto.tqdm``; without tqdm (the ``train`` extra), a bar that shows nothing, with a one-line notice on
+    stderr when a bar was asked for."""
+    try:
+        from tqdm.auto import tqdm
+        return tqdm
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "tqdm":   # installed but broken: show the real error
+            raise
+    if wanted:
+        print("dpzero: no progress bar: tqdm is not installed (pip install 'dpzero_jax[train]')", file=sys.stderr)
+
+    class NoBar:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def update(self, n=1):
+            pass
+
+        def set_postfix(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    return NoBar
 
 
 def _release_free_memory() -> None:

@@ -17,10 +17,25 @@ Files are read with :func:`read_text`, whose errors name the file and, for undec
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 BOOL_FIELDS = ("no_dp", "progress", "plot", "distributed", "allow_large_delta")
 REPR_LIMIT = 80
+
+
+def import_optional(module: str, extra: str, purpose: str):
+    """``importlib.import_module(module)`` for a dependency of an extra (``pip install 'dpzero_jax[extra]'``).
+    Missing, it is a ``ModuleNotFoundError`` saying what needs it and which extra installs it; installed but broken,
+    the original error."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        top = module.split(".")[0]
+        if (error.name or "").split(".")[0] != top:
+            raise
+        raise ModuleNotFoundError(f"{purpose} needs {top!r}, which is not installed: pip install "
+                                  f"'dpzero_jax[{extra}]'", name=error.name) from None
 
 
 def short_repr(value) -> str:

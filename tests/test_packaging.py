@@ -12,6 +12,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -69,9 +71,43 @@ def test_one_source_of_truth_for_dependencies():
     assert not (ROOT / "requirements.txt").exists()
     project = PYPROJECT["project"]
     names = {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
-    assert "matplotlib" not in names                                  # the plot is optional: the `plot` extra
-    assert {"scikit-learn", "tqdm"} <= names                          # the default `dpzero train` needs both
-    assert any(r.startswith("matplotlib") for r in project["optional-dependencies"]["plot"])
-    assert "dpzero_jax[plot,hf,docs]" in project["optional-dependencies"]["test"]   # tests/test_docs.py builds the docs
+    # a lean core (scipy and etils are required by jax and orbax anyway; the library imports them directly)
+    assert names == {"jax", "flax", "optax", "numpy", "scipy", "dp-accounting", "orbax-checkpoint", "etils",
+                     "safetensors"}
+    extras = project["optional-dependencies"]
+    train = {re.split(r"[<>=; ]", r, maxsplit=1)[0].lower() for r in extras["train"]}
+    assert train == {"dpzero_jax[plot]", "scikit-learn", "tqdm", "pyyaml"}   # `dpzero train` as the quick start runs it
+    assert any(r.startswith("matplotlib") for r in extras["plot"])
+    assert "dpzero_jax[train,hf,docs]" in extras["test"]   # tests/test_docs.py builds the docs
     assert {re.split(r"[<>=\[]", r, maxsplit=1)[0] for r in project["optional-dependencies"]["docs"]} == {
         "mkdocs", "mkdocstrings"}
+
+
+def _uninstalled(monkeypatch, *modules):
+    for name in modules:   # None in sys.modules: importing it raises ModuleNotFoundError, as when not installed
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_without_the_train_extra_the_digits_and_yaml_configs_say_what_to_install(monkeypatch, tmp_path, capsys):
+    from dpzero_jax import data, train  # noqa: F401 -- flax (imported by train) needs yaml itself: loaded before
+    from dpzero_jax.cli import main
+
+    _uninstalled(monkeypatch, "sklearn", "sklearn.datasets", "sklearn.model_selection", "yaml")
+    with pytest.raises(ModuleNotFoundError, match=r"the digits data set needs 'sklearn'.*dpzero_jax\[train\]"):
+        data.load_digits()
+    config = tmp_path / "run.yaml"
+    config.write_text("steps: 2\n")
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+    assert "a YAML --config file needs 'yaml', which is not installed: pip install 'dpzero_jax[train]'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_tqdm_training_runs_without_a_bar(monkeypatch, tmp_path, capsys):
+    from dpzero_jax.train import TrainConfig, Trainer
+
+    _uninstalled(monkeypatch, "tqdm", "tqdm.auto")
+    result = Trainer(TrainConfig(out=str(tmp_path), steps=2, batch_size=32, log_every=1, checkpoint_every=0,
+                                 plot=False, progress=True, noise_multiplier=1.0)).run()
+    assert result.steps == 2
+    assert "no progress bar: tqdm is not installed (pip install 'dpzero_jax[train]')" in capsys.readouterr().err
