@@ -290,8 +290,8 @@ SHMAP_CANDIDATES = {
 PEERS = ("jax_privacy", "optax")
 # a cached point older than its candidate's version is compiled again (2: shard_map with check_vma=False)
 # 3 (bk_shmap, bk_pallas) / 2 (others): configured with target="tpu", so norm_method="auto" resolves to "fastest"
-VERSIONS = {"bk_shmap": 3, "bk_pallas": 3, "auto": 2, "bk": 2, "ghost": 2, "fused": 2, "program_bk": 2,
-            "program_ghost": 2}
+VERSIONS = {"bk_shmap": 3, "bk_pallas": 3, "auto": 2, "bk": 2, "bk_fastest": 2, "ghost": 2, "fused": 2,
+            "program_bk": 2, "program_ghost": 2}
 # compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
 CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_mixed", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap",
               "fused", "program_bk", "program_ghost")
@@ -655,9 +655,13 @@ def table(data: dict, topology: str, shapes: list[Shape], candidates) -> str:
         lines.append("| candidate | temp GiB | x temp | args+out GiB | FLOPs (T) | x FLOPs | bytes acc. (GB) | x bytes "
                      "| collectives (count, MB) | v5e ms | v5p ms | x v5e |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        stale = []
         for candidate in candidates:
             r = entry.get(candidate)
             if r is None:
+                continue
+            if r.get("version", 1) < VERSIONS.get(candidate, 1):   # compiled before the candidate's program changed
+                stale.append(candidate)
                 continue
             if "failed" in r:
                 lines.append(f"| {candidate} | {r['failed']}: {r['message'][:90]} |" + " |" * 10)
@@ -674,6 +678,9 @@ def table(data: dict, topology: str, shapes: list[Shape], candidates) -> str:
                 f"| {_ratio(r['bytes_accessed'], base.get('bytes_accessed'))} | {colls or '-'} "
                 f"| {r['roofline_ms_v5e']:.1f} | {r['roofline_ms_v5p']:.1f} "
                 f"| {_ratio(r['roofline_ms_v5e'], base.get('roofline_ms_v5e'))} |")
+        if stale:
+            lines.append(f"\nNot shown (cached from an earlier version of their program; recompiled by a rerun): "
+                         f"{', '.join(stale)}.")
     if data.get("max_batch", {}).get(topology):
         lines.append("\n**Largest per-chip batch within a v5e chip's 16 GiB** (temp + args + outputs - aliases)\n")
         lines.append("| shape | " + " | ".join(MAX_BATCH_CANDIDATES) + " |")
@@ -703,7 +710,10 @@ def main(argv=None):
     if args.table:
         data = load(args.out)
         shapes = SMOKE_SHAPES if args.smoke else DEFAULT_SHAPES + FULL_EXTRA
-        print(table(data, args.topology, shapes, SMOKE_CANDIDATES if args.smoke else CANDIDATES))
+        candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES
+        if args.only:
+            candidates = tuple(c for c in candidates if c in args.only.split(","))
+        print(table(data, args.topology, shapes, candidates))
         return data
     require_libtpu()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # before JAX starts: no TPU hardware is probed for
