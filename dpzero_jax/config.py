@@ -15,6 +15,7 @@ from dpzero_jax_kernels.ghost_norm import NORM_KERNELS
 
 MODES = ("auto", "bk", "ghost", "fused", "vmap")
 FRONT_ENDS = ("auto", "layers", "program")
+TARGETS = ("cpu", "gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,8 @@ class DPConfig:
     mode: ``"auto"`` (default), ``"bk"``, ``"ghost"``, ``"fused"`` or ``"vmap"``.
     norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``: the space rule of paper 000), ``"fastest"``
         (ghost iff it takes fewer operations than instantiating and reusing the per-example gradient),
-        ``"ghost"`` or ``"instantiate"``.
+        ``"ghost"``, ``"instantiate"`` or ``"auto"`` (default): ``"fastest"`` when the step is compiled for a TPU
+        (``target``), ``"mixed"`` elsewhere (see :func:`dpzero_jax.engine.resolve_target`).
     norm_kernel: how weight norms (and clipped sums) are computed: ``"xla"`` (einsums that build the ``[B, T, T]``
         Grams or the ``[B, rows, cols]`` per-example gradients), ``"pallas"`` (the tiled kernels of
         ``dpzero_jax_kernels.ghost_norm``: neither buffer; the mixed rule then decides on operations) or ``"auto"``
@@ -49,6 +51,9 @@ class DPConfig:
         plain ``jax.numpy``; scans stay scans), book-keeping only (``mode`` ``"bk"`` or ``"auto"``; ``"vmap"`` runs
         as ever); ``"auto"`` (default): ``"layers"`` when every trainable leaf is used inside ``dpzero_jax`` layers,
         else ``"program"``. See :mod:`dpzero_jax.program`.
+    target: the backend the step is compiled for, ``"cpu"``, ``"gpu"`` or ``"tpu"``; ``None`` (default):
+        ``jax.default_backend()`` when the step is traced. It decides what the ``"auto"`` settings resolve to; set
+        it when compiling ahead of time for another backend (a TPU program compiled on a CPU host).
     """
 
     noise_multiplier: float = 1.0
@@ -56,7 +61,7 @@ class DPConfig:
     clip_fn: str = "abadi"
     groups: Any = "all-layer"
     mode: str = "auto"
-    norm_method: str = "mixed"
+    norm_method: str = "auto"
     norm_kernel: str = "auto"
     expected_batch_size: float | None = None
     microbatch_size: int | None = None
@@ -64,6 +69,7 @@ class DPConfig:
     noise_rng: str = "blocked"
     group_thresholds: Sequence[float] | None = None
     front_end: str = "auto"
+    target: str | None = None
 
     def __post_init__(self):
         def positive_number(name, value, allow_zero=False):
@@ -81,8 +87,11 @@ class DPConfig:
             raise ValueError(f"DPConfig.mode={self.mode!r}: expected one of {MODES}")
         if self.front_end not in FRONT_ENDS:
             raise ValueError(f"DPConfig.front_end={self.front_end!r}: expected one of {FRONT_ENDS}")
-        if self.norm_method not in NORM_METHODS:
-            raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {NORM_METHODS}")
+        if self.norm_method not in ("auto", *NORM_METHODS):
+            raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {('auto', *NORM_METHODS)}")
+        if self.target is not None and self.target not in TARGETS:
+            raise ValueError(f"DPConfig.target={self.target!r}: expected None (jax.default_backend()) or one of "
+                             f"{TARGETS}")
         if self.noise_rng not in NOISE_RNGS:
             raise ValueError(f"DPConfig.noise_rng={self.noise_rng!r}: expected one of {NOISE_RNGS}")
         if self.norm_kernel not in NORM_KERNELS:

@@ -71,6 +71,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
     report, per trainable parameter, how its per-example gradient and norm are obtained."""
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
+    cfg = engine.resolve_target(cfg)
     plan = engine.make_plan(loss_fn, cfg, params, batch, require_supported=False)
     if cfg.mode == "vmap":
         rows = [{"path": p, "rule": "vmap", "method": "instantiate", "per_example_bytes": 4 * math.prod(np.shape(x)),

@@ -126,9 +126,12 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") 
 
     ``"mixed"``: the space rule of paper 000 (Appendix A), ghost iff ``2 T^2 < rows * cols``.
     ``"fastest"``: a time rule for engines that reuse an instantiated gradient for the clipped sum (book-keeping):
-    ghost costs ``T^2 (rows + cols)`` multiply-adds per example, instantiation with reuse about
+    ghost costs the right Grams of every pair of uses, ``T^2 cols`` multiply-adds per example (``T``: all uses'
+    positions), plus the left Grams between dense uses, ``T_dense^2 rows``; instantiation with reuse about
     ``INSTANTIATION_COST`` multiply-add equivalents per gradient element (its extra memory passes); ghost iff cheaper.
-    Embeddings (one-hot left factor) are never instantiated by this rule: their Gram is an equality test.
+    An embedding's left Gram is an equality test (with another embedding) or a gather (with a dense use), not a
+    contraction; a table used only by embeddings keeps the space rule. A tied table (embedding and head) at long
+    sequences is thus instantiated: its ghost norm would contract the head's ``[T, V]`` output gradient with itself.
 
     With ``kernel="pallas"`` neither form needs a large buffer, so ``"mixed"`` and ``"fastest"`` compare operations
     for dense weights: the ghost kernel computes half of the ``T x T`` tile pairs, ``T^2 (rows + cols) / 2``
@@ -146,9 +149,12 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") 
     if kernel == "pallas" and not any(u.left_is_ids for u in uses):
         return total_positions * (uses[0].rows + uses[0].cols) < 2 * rows_times_cols
     if method == "fastest":
-        if any(u.left_is_ids for u in uses):
+        dense_positions = sum(u.positions for u in uses if not u.left_is_ids)
+        if not dense_positions:   # embeddings only: the left Gram is an equality test
             return 2 * total_positions**2 < rows_times_cols
-        ghost_cost = total_positions**2 * (uses[0].rows + uses[0].cols)
+        # right Grams for every pair of uses, left Grams as contractions only between dense uses (an embedding's
+        # left Gram is an equality test or a gather)
+        ghost_cost = total_positions**2 * uses[0].cols + dense_positions**2 * uses[0].rows
         return ghost_cost < INSTANTIATION_COST * rows_times_cols
     return 2 * total_positions**2 < rows_times_cols
 

@@ -268,9 +268,10 @@ DEFAULT_SHAPES = [small(1024, 8), small(1024, 8, n_layer=2), small(1024, 8, tied
 FULL_EXTRA = [small(1024, 8, tied=False), small(128, 32, n_layer=2), small(512, 8), small(2048, 4),
               small(1024, 8, lora_rank=8), medium(1024, 8)]
 
-DP_CANDIDATES = {
+DP_CANDIDATES = {   # every DP candidate is configured with target="tpu" (the step is compiled for the TPU slice)
     "auto": dict(mode="auto"),
     "bk": dict(mode="bk"),
+    "bk_mixed": dict(mode="bk", norm_method="mixed"),
     "bk_fastest": dict(mode="bk", norm_method="fastest"),
     "ghost": dict(mode="ghost"),
     "fused": dict(mode="fused", groups="layer-wise"),
@@ -288,10 +289,12 @@ SHMAP_CANDIDATES = {
 }
 PEERS = ("jax_privacy", "optax")
 # a cached point older than its candidate's version is compiled again (2: shard_map with check_vma=False)
-VERSIONS = {"bk_shmap": 2, "bk_pallas": 2}
+# 3 (bk_shmap, bk_pallas) / 2 (others): configured with target="tpu", so norm_method="auto" resolves to "fastest"
+VERSIONS = {"bk_shmap": 3, "bk_pallas": 3, "auto": 2, "bk": 2, "bk_fastest": 2, "ghost": 2, "fused": 2,
+            "program_bk": 2, "program_ghost": 2}
 # compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
-CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap", "fused",
-              "program_bk", "program_ghost")
+CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_mixed", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap",
+              "fused", "program_bk", "program_ghost")
 assert set(CANDIDATES) == {"nonprivate", *DP_CANDIDATES, *SHMAP_CANDIDATES, *PEERS}
 SMOKE_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "vmap", "bk_shmap", "bk_pallas", "jax_privacy", "optax")
 MAX_BATCH_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "jax_privacy", "optax")
@@ -381,7 +384,7 @@ def make_step(candidate: str, graphdef, trainable, global_batch: int, mesh=None)
         return step
 
     if candidate in DP_CANDIDATES:
-        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, **DP_CANDIDATES[candidate])
+        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, target="tpu", **DP_CANDIDATES[candidate])
 
         def step(params, rest, batch, seed):
             losses, grads, _ = dz.private_value_and_grad(objective(params, rest), cfg)(
@@ -394,7 +397,7 @@ def make_step(candidate: str, graphdef, trainable, global_batch: int, mesh=None)
 
         from dpzero_jax.engine import clipped_grad_sum
 
-        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, **SHMAP_CANDIDATES[candidate])
+        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, target="tpu", **SHMAP_CANDIDATES[candidate])
         axis = mesh.axis_names[0]
 
         def local(params, rest, batch):
@@ -497,7 +500,7 @@ def resolved_auto(shape: Shape) -> dict:
 
     graphdef, params, rest, trainable = build(shape)
     batch = {"input_ids": jax.ShapeDtypeStruct((shape.B, shape.T), jnp.int32)}
-    cfg = dz.DPConfig(mode="auto")
+    cfg = dz.DPConfig(mode="auto", target="tpu")
     found = {}
 
     def trace(params, rest, batch):
@@ -652,9 +655,13 @@ def table(data: dict, topology: str, shapes: list[Shape], candidates) -> str:
         lines.append("| candidate | temp GiB | x temp | args+out GiB | FLOPs (T) | x FLOPs | bytes acc. (GB) | x bytes "
                      "| collectives (count, MB) | v5e ms | v5p ms | x v5e |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        stale = []
         for candidate in candidates:
             r = entry.get(candidate)
             if r is None:
+                continue
+            if r.get("version", 1) < VERSIONS.get(candidate, 1):   # compiled before the candidate's program changed
+                stale.append(candidate)
                 continue
             if "failed" in r:
                 lines.append(f"| {candidate} | {r['failed']}: {r['message'][:90]} |" + " |" * 10)
@@ -671,6 +678,9 @@ def table(data: dict, topology: str, shapes: list[Shape], candidates) -> str:
                 f"| {_ratio(r['bytes_accessed'], base.get('bytes_accessed'))} | {colls or '-'} "
                 f"| {r['roofline_ms_v5e']:.1f} | {r['roofline_ms_v5p']:.1f} "
                 f"| {_ratio(r['roofline_ms_v5e'], base.get('roofline_ms_v5e'))} |")
+        if stale:
+            lines.append(f"\nNot shown (cached from an earlier version of their program; recompiled by a rerun): "
+                         f"{', '.join(stale)}.")
     if data.get("max_batch", {}).get(topology):
         lines.append("\n**Largest per-chip batch within a v5e chip's 16 GiB** (temp + args + outputs - aliases)\n")
         lines.append("| shape | " + " | ".join(MAX_BATCH_CANDIDATES) + " |")
@@ -700,7 +710,10 @@ def main(argv=None):
     if args.table:
         data = load(args.out)
         shapes = SMOKE_SHAPES if args.smoke else DEFAULT_SHAPES + FULL_EXTRA
-        print(table(data, args.topology, shapes, SMOKE_CANDIDATES if args.smoke else CANDIDATES))
+        candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES
+        if args.only:
+            candidates = tuple(c for c in candidates if c in args.only.split(","))
+        print(table(data, args.topology, shapes, candidates))
         return data
     require_libtpu()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # before JAX starts: no TPU hardware is probed for

@@ -34,6 +34,7 @@ import dpzero_jax as dz
     ("mode", "book-keeping"),
     ("mode", None),
     ("norm_method", "fast"),
+    ("target", "tpu-v5e"),
     ("groups", "layerwise"),
     ("groups", ("uniform", 0)),
     ("groups", ("uniform", 2.0)),

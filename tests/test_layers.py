@@ -289,6 +289,23 @@ def test_use_ghost_rule(positions, rows, cols, ghost):
     assert dz.pergrad.use_ghost([u, u], "mixed") is (2 * (2 * positions) ** 2 < rows * cols)
 
 
+@pytest.mark.parametrize("positions, ghost", [(1024, False), (128, True)])
+def test_fastest_rule_for_a_tied_table_at_gpt2_small_sizes(positions, ghost):
+    """A tied table [V, d] = [50304, 768]: the embedding's use (ids) and the head's (the [T, V] output gradient on
+    the left). Ghost costs the right Grams of every pair of uses, (2T)^2 d, plus the head's left Gram, T^2 V;
+    instantiating and reusing costs 60 per element, 60 V d: at T 1024, 3.2e9 + 5.3e10 > 2.3e9 (instantiate); at
+    T 128, 5.0e7 + 8.2e8 < 2.3e9 (ghost). An embedding alone keeps the space rule (its left Gram is a test)."""
+    vocab, width = 50304, 768
+    embed = dz.pergrad.Outer(left=jnp.zeros((1, positions), jnp.int32), right=jnp.zeros((1, positions, width)),
+                             rows=vocab, shape=(vocab, width), left_is_ids=True)
+    head = jax.ShapeDtypeStruct((1, positions, vocab), jnp.float32)   # shapes only: no [T, V] array is made
+    head = dz.pergrad.Outer(left=head, right=jnp.zeros((1, positions, width)), rows=vocab, shape=(vocab, width))
+    ghost_cost = (2 * positions) ** 2 * width + positions ** 2 * vocab
+    assert (ghost_cost < 60 * vocab * width) is ghost
+    assert dz.pergrad.use_ghost([embed, head], "fastest") is ghost
+    assert dz.pergrad.use_ghost([embed], "fastest") is (2 * positions ** 2 < vocab * width)
+
+
 def _forbid(monkeypatch, name):
     """Make a norm branch of dpzero_jax.pergrad fail loudly if the engine takes it for a weight."""
     original = getattr(dz.pergrad, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 import reference as ref
@@ -48,6 +49,8 @@ TRANSFORMER_CASES = [
     ("gpt2-tied", "vmap", "global", "param-wise", {"microbatch_size": 3}),
     ("gpt2-tied", "vmap", "automatic", "all-layer", {}),
     ("gpt2-tied", "auto", "abadi", "layer-wise", {}),
+    ("gpt2-tied", "bk", "abadi", "all-layer", {"norm_method": "fastest"}),
+    ("gpt2-tied", "auto", "automatic", "all-layer", {"target": "tpu"}),   # resolves as for a TPU, runs here
     ("gpt2-untied", "fused", "abadi", "layer-wise", {}),
     ("gpt2-untied", "fused", "global", "param-wise", {"norm_method": "ghost"}),
     ("gpt2-untied", "fused", "automatic", "layer-wise", {"norm_method": "instantiate"}),
@@ -180,3 +183,13 @@ def test_choose_mode_and_autotune_return_exact_concrete_modes():
     tuned = dz.autotune(setup.loss_fn, cfg, setup.params, setup.batch, jax.random.key(0), repeats=1)
     assert tuned.mode in ("bk", "ghost", "vmap")      # fused cannot run all-layer groups and is skipped
     check_private(setup, clip_fn="abadi", groups="all-layer", mode=tuned.mode, microbatch_size=tuned.microbatch_size)
+
+
+def test_auto_settings_resolve_for_the_target():
+    resolve = dz.engine.resolve_target
+    assert resolve(dz.DPConfig(target="tpu")).norm_method == "fastest"
+    assert resolve(dz.DPConfig(target="cpu")).norm_method == "mixed"
+    assert resolve(dz.DPConfig(target="gpu")).norm_method == "mixed"
+    assert resolve(dz.DPConfig(target="tpu", norm_method="ghost")).norm_method == "ghost"   # explicit: kept
+    assert resolve(dz.DPConfig()).norm_method == ("fastest" if jax.default_backend() == "tpu" else "mixed")
+    assert resolve(dz.DPConfig(target="tpu")).norm_kernel == "xla"
