@@ -6,6 +6,7 @@ import shutil
 import sys
 import warnings
 
+import damage
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -141,17 +142,6 @@ def test_a_damaged_meta_item_fails_its_seal(tmp_path):
     _assert_equal((restored.params, restored.opt_state), saved[1])
 
 
-def _flip(path, offset: int, length: int) -> None:
-    data = bytearray(path.read_bytes())
-    offset = min(max(offset, 0), max(len(data) - length, 0))
-    data[offset:offset + length] = bytes(b ^ 0xFF for b in data[offset:offset + length])
-    path.write_bytes(bytes(data))
-
-
-DAMAGE = {"start": lambda n: (0, 1), "middle": lambda n: (n // 2, 1), "end": lambda n: (n - 1, 1),
-          "run256": lambda n: (n // 2 - 128, 256)}
-
-
 def test_damage_on_the_standard_save_path_is_never_restored(tmp_path):
     """The multi-process format (orbax StandardSave, OCDBT), written and read by one process over 8 devices: bytes
     flipped in each file of the latest checkpoint, at 4 places. Every case restores the latest checkpoint intact
@@ -168,11 +158,11 @@ def test_damage_on_the_standard_save_path_is_never_restored(tmp_path):
     assert any("ocdbt" in str(p) for p in files)
     outcomes = {}
     for file in files:
-        for place, where in DAMAGE.items():
+        for place in damage.PLACES:
             case = tmp_path / "case"
             shutil.rmtree(case, ignore_errors=True)
             shutil.copytree(original, case)
-            _flip(case / file, *where((case / file).stat().st_size))
+            damage.flip(case / file, place)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 
+import damage
 import jax
 import numpy as np
 import pytest
@@ -77,17 +78,6 @@ def test_multi_process_options_are_checked():
         TrainConfig(coordinator="127.0.0.1:1234", num_processes=2, process_id=0)
 
 
-def _flip(path, offset: int, length: int) -> None:
-    data = bytearray(path.read_bytes())
-    offset = min(max(offset, 0), max(len(data) - length, 0))
-    data[offset:offset + length] = bytes(b ^ 0xFF for b in data[offset:offset + length])
-    path.write_bytes(bytes(data))
-
-
-DAMAGE = {"start": lambda n: (0, 1), "middle": lambda n: (n // 2, 1), "end": lambda n: (n - 1, 1),
-          "run256": lambda n: (n // 2 - 128, 256)}
-
-
 def _resume_damaged(two_processes, tmp_path, select):
     """Bytes flipped in the files of the 2-process (StandardSave, OCDBT) checkpoint at step 4 that ``select``
     picks, 4 places each; one process resumes each case (one Trainer: its compiled step is reused). Every case is
@@ -103,10 +93,10 @@ def _resume_damaged(two_processes, tmp_path, select):
     trainer = Trainer(TrainConfig(out=str(case), steps=6, **RUN))
     outcomes = {}
     for file in files:
-        for place, where in DAMAGE.items():
+        for place in damage.PLACES:
             shutil.rmtree(case, ignore_errors=True)
             shutil.copytree(out, case)
-            _flip(case / "checkpoints" / "4" / file, *where((case / "checkpoints" / "4" / file).stat().st_size))
+            damage.flip(case / "checkpoints" / "4" / file, place)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:

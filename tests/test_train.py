@@ -4,6 +4,7 @@ import json
 import shutil
 import warnings
 
+import damage
 import jax
 import numpy as np
 import pytest
@@ -117,19 +118,8 @@ def test_all_checkpoints_damaged_is_a_clear_error(uninterrupted, tmp_path):
         Trainer(TrainConfig(out=str(tmp_path), **TINY)).run(resume=True)
 
 
-def _flip(path, offset: int, length: int) -> None:
-    data = bytearray(path.read_bytes())
-    offset = min(max(offset, 0), max(len(data) - length, 0))
-    data[offset:offset + length] = bytes(b ^ 0xFF for b in data[offset:offset + length])
-    path.write_bytes(bytes(data))
-
-
-DAMAGE = {"start": lambda n: (0, 1), "middle": lambda n: (n // 2, 1), "end": lambda n: (n - 1, 1),
-          "run256": lambda n: (n // 2 - 128, 256)}
-
-
 def _damage_cases(files):
-    return [(f, place) for f in files for place in DAMAGE]
+    return [(f, place) for f in files for place in damage.PLACES]
 
 
 def _resume_damaged(uninterrupted, tmp_path, cases):
@@ -144,7 +134,7 @@ def _resume_damaged(uninterrupted, tmp_path, cases):
         out.mkdir()
         shutil.copytree(full_out / "checkpoints", out / "checkpoints")
         shutil.copy(full_out / "metrics.jsonl", out / "metrics.jsonl")
-        _flip(out / "checkpoints" / "20" / file, *DAMAGE[place]((out / "checkpoints" / "20" / file).stat().st_size))
+        damage.flip(out / "checkpoints" / "20" / file, place)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -175,7 +165,7 @@ def test_flipped_bytes_in_every_file_of_the_latest_checkpoint_never_train(uninte
     assert len(outcomes) == 4 * len(files) >= 24
     # damage inside the arrays and anywhere in the meta item is detected (a flip in the zip's trailer may leave
     # every array intact: then the digests match and the checkpoint is rightly used)
-    detected = [(f, p) for f in files for p in DAMAGE
+    detected = [(f, p) for f in files for p in damage.PLACES
                 if f == "meta/metadata" or (f == "host_state/arrays.npz" and p in ("middle", "run256"))]
     assert all(outcomes[case] != "intact" for case in detected), outcomes
 
