@@ -607,25 +607,31 @@ def fits(result: dict) -> bool:
 
 
 def max_batch(data: dict, path: str, topology: str, base: Shape, candidate: str, mesh, recompute: bool,
-              limit: int = 256) -> dict:
+              limit: int = 256, start: int = 1) -> dict:
     """The largest per-chip batch whose compiled program (temp + arguments + outputs - aliases) fits a v5e chip's
-    16 GiB: doubling from 1, then bisection. Every probed point is cached like any other."""
+    16 GiB: from ``start``, doubling while it fits (halving while it does not), then bisection. Every probed point
+    is cached like any other."""
     def probe(b):
         return fits(run_point(data, path, topology, dataclasses.replace(base, B=b, name=f"{base.name} (B={b})"),
                               candidate, mesh, recompute))
 
-    if not probe(1):
+    low, high = 0, None          # low fits (0: nothing known to fit), high does not (None: nothing known)
+    b = min(start, limit)
+    while b >= 1 and not probe(b):
+        high, b = b, b // 2
+    if b < 1:
         return {"max_batch": 0}
-    low, high = 1, None
-    b = 2
-    while b <= limit:
-        if probe(b):
-            low, b = b, b * 2
-        else:
-            high = b
-            break
+    low = b
     if high is None:
-        return {"max_batch": low, "capped_at": limit}
+        b = 2 * low
+        while b <= limit:
+            if probe(b):
+                low, b = b, 2 * b
+            else:
+                high = b
+                break
+        if high is None:
+            return {"max_batch": low, "capped_at": limit}
     while high - low > 1:
         mid = (low + high) // 2
         if probe(mid):
@@ -697,6 +703,8 @@ def main(argv=None):
     grid = parser.add_mutually_exclusive_group()
     grid.add_argument("--smoke", action="store_true", help="one tiny shape (seconds)")
     grid.add_argument("--full", action="store_true", help="every shape and the largest-batch search")
+    parser.add_argument("--max-batch-start", type=int, default=8,
+                        help="the per-chip batch the largest-batch search probes first (default 8)")
     parser.add_argument("--max-batch", action="store_true", help="also search the largest per-chip batch")
     parser.add_argument("--topology", default="v5e:2x2")
     parser.add_argument("--out", default=DEFAULT_OUT)
@@ -759,9 +767,11 @@ def main(argv=None):
         for base in bases:
             row = data.setdefault("max_batch", {}).setdefault(args.topology, {}).setdefault(base.name, {})
             for candidate in MAX_BATCH_CANDIDATES:
+                if args.only and candidate not in args.only.split(","):
+                    continue
                 if candidate not in row or args.recompute:
                     row[candidate] = max_batch(data, args.out, args.topology, base, candidate, mesh,
-                                               args.recompute)
+                                               args.recompute, start=args.max_batch_start)
                     save(args.out, data)
     save(args.out, data)
     print(table(data, args.topology, shapes, candidates))
