@@ -172,7 +172,7 @@ def test_tied_embedding_is_factored_with_its_cross_term():
                                      dz.engine.leaf_paths(setup.params), B)
     rows = {r["path"]: r for r in program_mode.explain(plan, setup.params, cfg)}
     assert rows["embed/embedding"]["rule"] == "dot+gather"
-    assert rows["conv/kernel"]["rule"] == "local" and rows["attn/query/kernel"]["rule"] == "dot"
+    assert rows["conv/kernel"]["rule"] == "conv" and rows["attn/query/kernel"]["rule"] == "dot"
     assert not plan.analysis.fallback
     plain = program_mode.plan_program(SETUPS["plain"]().loss_fn, cfg, SETUPS["plain"]().params,
                                       SETUPS["plain"]().batch, dz.engine.leaf_paths(SETUPS["plain"]().params), B)

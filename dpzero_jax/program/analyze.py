@@ -16,10 +16,13 @@ An equation that combines a :class:`View` with ``DATA`` is a :class:`Site`, one 
 * ``"dot"``    -- ``dot_general`` with a bijective view on one side (dense, einsum, per-head projections, the tied
   head ``x @ table.T``): the per-example gradient is a sum of outer products (``pergrad.Outer``), blockwise over the
   dot's batch dimensions;
+* ``"conv"``   -- ``conv_general_dilated`` with a bijective view as the kernel (any strides, padding, dilations,
+  dimension numbers, feature groups; ``batch_group_count == 1``): ``Outer`` of the unfolded input patches and the
+  output gradient, blockwise over the feature groups (:mod:`dpzero_jax.program.conv`);
 * ``"gather"`` -- a row lookup ``table[ids]`` of a bijective view (``jnp.take(table, ids, axis=0)``, ``nnx.Embed``):
   ``Outer`` with integer ids;
-* ``"local"``  -- any other primitive (scale and shift with broadcasting, convolutions, concatenation of a class
-  token, ...): the per-example gradient of the view is the local VJP of that one equation at the example's
+* ``"local"``  -- any other primitive (scale and shift with broadcasting, other convolutions, concatenation of a
+  class token, ...): the per-example gradient of the view is the local VJP of that one equation at the example's
   operands, instantiated (``B x`` the view's size) and mapped back to the leaf through the view's VJP.
 
 A leaf that reaches the data through a :class:`Mixed` value, a loop carry, a ``while``/``cond``, a custom-VJP
@@ -39,6 +42,8 @@ import math
 from typing import Any
 
 from jax.extend import core as jcore
+
+from dpzero_jax.program import conv
 
 DATA = "data"
 CONST = "const"
@@ -76,7 +81,7 @@ class Site:
     ``lengths``: the lengths of the enclosing scans (outermost first)."""
 
     path: tuple
-    kind: str            # "dot" | "gather" | "local"
+    kind: str            # "dot" | "conv" | "gather" | "local"
     eqn: Any
     param_operand: int
     view: View
@@ -207,6 +212,8 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
         kind = "local"
         if name == "dot_general" and view.bijective:
             kind = "dot"
+        elif view.bijective and conv.supported(eqn, p):
+            kind = "conv"
         elif name == "gather" and p == 0 and view.bijective and _is_row_gather(eqn, eqn.invars[0].aval.shape):
             kind = "gather"
         recorded = tuple(i for i, v in enumerate(eqn.invars) if i != p and not isinstance(v, jcore.Literal))

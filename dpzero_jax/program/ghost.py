@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax import pergrad
+from dpzero_jax.program import conv
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.interpret import add_probe, run
@@ -46,10 +47,15 @@ def eligible(plan) -> frozenset:
 
 def _squared_norm(site, method: str, w, ops, g):
     """One example's squared norm of the gradient of the site's leaf (slice), float32 scalar."""
-    if site.kind == "dot":
-        left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
+    if site.kind in ("dot", "conv"):
+        if site.kind == "dot":
+            left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
+            ghost = pergrad.space_rule(method, left.shape[1], left.shape[2] * right.shape[2])
+        else:
+            left, right = conv.factors(site.eqn, ops[0], g)
+            ghost = conv.use_ghost(method, left.shape[1], left.shape[2], right.shape[2])
         left, right = left.astype(jnp.float32), right.astype(jnp.float32)
-        if pergrad.space_rule(method, left.shape[1], left.shape[2] * right.shape[2]):
+        if ghost:
             return jnp.sum(jnp.einsum("ktr,ksr->kts", left, left) * jnp.einsum("ktc,ksc->kts", right, right))
         return jnp.sum(jnp.square(jnp.einsum("ktr,ktc->krc", left, right)))
     if site.kind == "gather":

@@ -6,11 +6,11 @@ site's output (:mod:`dpzero_jax.program.interpret`) and one ``jax.vjp`` with res
 fallback leaves only, so that no other parameter gradient is formed by autodiff. From each site's operands and
 output gradient (:mod:`dpzero_jax.program.sites`):
 
-* leaves whose sites are all ``dot`` / ``gather`` get :class:`~dpzero_jax.pergrad.Outer` factors, blockwise: norms
-  by the ghost or instantiated form (the mixed rule of ``pergrad``, with every cross term between uses: tied
-  weights exact), clipped sums as one contraction per use;
+* leaves whose sites are all ``dot`` / ``gather`` (or all ``conv``: unfolded patches, blocks = feature groups) get
+  :class:`~dpzero_jax.pergrad.Outer` factors, blockwise: norms by the ghost or instantiated form (the mixed rule of
+  ``pergrad``, with every cross term between uses: tied weights exact), clipped sums as one contraction per use;
 * leaves with a ``local`` site get their per-example gradient instantiated (``B x`` the leaf: scales, shifts,
-  convolution kernels, position tables, class tokens);
+  position tables, class tokens, convolutions the conv rule does not take);
 * fallback leaves get theirs from the VJP (``B x`` the leaf).
 
 Then the usual clip coefficients per group and ``sum_i C_{m,i} g_{m,i}``. Examples with a zero coefficient
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpzero_jax import clipping, pergrad
+from dpzero_jax.program import conv
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
 from dpzero_jax.program.interpret import add_probe, run
@@ -275,8 +276,9 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
 def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
     """Per trainable parameter: how the program front-end computes its per-example gradient.
 
-    Rows: ``path``, ``rule`` (the sites' kinds: ``dot`` / ``gather`` / ``local``, or ``fallback``), ``method``
-    (``ghost`` / ``instantiate`` for factored uses by the mixed rule, ``instantiate`` for local sites, ``fallback``:
+    Rows: ``path``, ``rule`` (the sites' kinds: ``dot`` / ``conv`` / ``gather`` / ``local``, or ``fallback``),
+    ``method`` (``ghost`` / ``instantiate`` for factored uses by the rule of ``cfg.norm_method`` -- for ``conv`` on
+    the unfolded sizes -- ``instantiate`` for local sites, ``fallback``:
     autodiff per example), ``per_example_bytes`` (float32 bytes the norm needs per example), ``group``, ``why``
     (the reason for a fallback).
     """
@@ -296,6 +298,8 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
             rule = "+".join(kinds)
             if "local" in kinds:
                 how, nbytes = "instantiate", 4 * size
+            elif "conv" in kinds:
+                how, nbytes = _explain_conv(leaf_sites, method, size)
             else:
                 positions = sum(_positions(s) for s in leaf_sites)
                 rows_cols = math.prod(leaf_sites[0].eqn.invars[leaf_sites[0].param_operand].aval.shape)
@@ -307,9 +311,25 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
     return rows
 
 
+def _explain_conv(leaf_sites, method: str, size: int) -> tuple[str, int]:
+    """``(method, per-example bytes)`` of a kernel used by conv sites: the unfolded sizes decide as in
+    book-keeping (uses of one layout share their Grams; a kernel also used otherwise is instantiated)."""
+    shapes = {(tuple(s.eqn.params["dimension_numbers"][1]), conv.sizes(s.eqn)[::2], s.kind,
+               sites_lib.xs_lengths(s)) for s in leaf_sites}
+    if len(shapes) > 1:
+        return "instantiate", 4 * size
+    groups, _, rows, cols = conv.sizes(leaf_sites[0].eqn)
+    positions = sum(_positions(s) for s in leaf_sites)
+    if not conv.use_ghost(method, positions, rows, cols):
+        return "instantiate", 4 * size
+    return "ghost", 4 * groups * math.prod(sites_lib.xs_lengths(leaf_sites[0])) * positions ** 2
+
+
 def _positions(site) -> int:
     """Positions of one site per example (summed over the scan iterations of a leaf passed whole)."""
-    if site.kind == "gather":
+    if site.kind == "conv":
+        t = conv.positions(site.eqn)
+    elif site.kind == "gather":
         t = math.prod(site.eqn.invars[1].aval.shape[:-1])
     else:
         (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
