@@ -25,6 +25,10 @@ An equation that combines a :class:`View` with ``DATA`` is a :class:`Site`, one 
   class token, ...): the per-example gradient of the view is the local VJP of that one equation at the example's
   operands, instantiated (``B x`` the view's size) and mapped back to the leaf through the view's VJP.
 
+A row lookup ``table[idx]`` (``gather`` / ``dynamic_slice``) of a view at *constant* indices -- a position table
+``wpe[jnp.arange(T)]`` -- is a site too (``gather`` or ``local``), although no data enters it: its output is then
+treated as data, so its uses downstream are tracked by the probe's cotangent.
+
 A leaf that reaches the data through a :class:`Mixed` value, a loop carry, a ``while``/``cond``, a custom-VJP
 function or a scan slice of a non-elementwise view is a *fallback* leaf: its per-example gradient is computed by
 autodiff of the single-example loss with respect to that leaf (exact; ``B x`` its size). No parameter is refused.
@@ -87,6 +91,7 @@ class Site:
     view: View
     recorded: tuple[int, ...]
     lengths: tuple[int, ...]
+    constant: bool = False   # no data enters it (a lookup at constant indices): its output is the same per example
 
     @property
     def out_aval(self):
@@ -202,6 +207,15 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
         sub, _ = _sub_jaxpr(eqn)
         return analyze(sub, kinds, analysis, here, lengths)
     has_data = any(k == DATA for k in kinds)
+    if not has_data and _constant_lookup(name, kinds, n_out):
+        # ``table[jnp.arange(T)]`` (a position table): a site with constant indices. Its output is treated as the
+        # example's from here on; the probe's cotangent is each example's gradient with respect to it.
+        view = kinds[0]
+        kind = "gather" if (name == "gather" and view.bijective
+                            and _is_row_gather(eqn, eqn.invars[0].aval.shape)) else "local"
+        recorded = tuple(i for i, v in enumerate(eqn.invars) if i != 0 and not isinstance(v, jcore.Literal))
+        analysis.sites[here] = Site(here, kind, eqn, 0, view, recorded, lengths, constant=True)
+        return [DATA]
     if not has_data:
         return [_param_only(eqn, kinds)] * n_out
     # Data meets trainable leaves: a site when exactly one operand is a view and the others are data or constants.
@@ -228,6 +242,12 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
         reason = f"used by '{name}', which has no per-example rule"
     analysis.mark_fallback(frozenset().union(*(_leaves(k) for k in params_in)), reason)
     return [DATA] * n_out
+
+
+def _constant_lookup(name: str, kinds, n_out: int) -> bool:
+    """A ``gather`` / ``dynamic_slice`` of a view at constant indices (literals, or values computed from them)."""
+    return (name in ("gather", "dynamic_slice") and n_out == 1 and isinstance(kinds[0], View)
+            and all(k == CONST for k in kinds[1:]))
 
 
 def _param_only(eqn, kinds):

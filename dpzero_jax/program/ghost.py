@@ -17,9 +17,10 @@ of the single-example program inside one ``jax.vjp``), then two pullbacks:
    gradient.
 
 Eligible: a leaf with exactly one site, not inside a scan that passes it whole (``"const"`` level: the iterations'
-gradients would need cross terms). Other leaves -- tied weights, a weight shared across scan iterations -- are
-captured as in book-keeping, and fallback leaves are differentiated per example (per-example copies); both are
-summed from what the first pullback gave.
+gradients would need cross terms), that takes the example's data (not a lookup at constant indices). Other
+leaves -- tied weights, a weight shared across scan iterations, a position table -- are captured as in
+book-keeping, and fallback leaves are differentiated per example (per-example copies); both are summed from what
+the first pullback gave.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def eligible(plan) -> frozenset:
     count: dict[int, int] = {}
     for site in plan.analysis.sites.values():
         count[site.view.leaf] = count.get(site.view.leaf, 0) + 1
+    # A site without data (a lookup at constant indices) has an output that vmap does not batch: the cotangent
+    # reaching its custom backward would be the batch's sum. Captured as in book-keeping (a per-example probe).
     return frozenset(path for path, site in plan.analysis.sites.items()
-                     if count[site.view.leaf] == 1 and "const" not in site.view.levels)
+                     if count[site.view.leaf] == 1 and "const" not in site.view.levels and not site.constant)
 
 
 def _squared_norm(site, method: str, w, ops, g):
