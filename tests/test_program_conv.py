@@ -142,6 +142,7 @@ def test_every_kernel_is_a_conv_site_and_the_rule_decides_from_the_unfolded_size
 @pytest.mark.parametrize("setup, mode, clip_fn, groups, method", [
     ("nnx", "bk", "abadi", "param-wise", "mixed"), ("nnx", "ghost", "automatic", "all-layer", "mixed"),
     ("nnx", "bk", "global", "layer-wise", "ghost"), ("nnx", "ghost", "abadi", "param-wise", "instantiate"),
+    ("nnx", "bk", "automatic", "param-wise", "fastest"),
     ("linen", "auto", "abadi", "param-wise", "fastest"), ("linen", "ghost", "abadi", "layer-wise", "ghost")])
 def test_convolutions_match_vmap_grad(setup, mode, clip_fn, groups, method):
     check_private({"nnx": nnx_setup, "linen": linen_setup}[setup](), clip_fn=clip_fn, groups=groups, mode=mode,
@@ -155,6 +156,26 @@ def test_convolutions_inside_a_scan_match_vmap_grad(remat, mode, method):
     rows = _rows(setup)
     assert {rows[p]["rule"] for p in ("stacked", "shared", "grouped")} == {"conv"}
     check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, norm_method=method, floor=1e-4)
+
+
+@pytest.mark.parametrize("mode, method, kernel", [("bk", "ghost", "xla"), ("bk", "instantiate", "xla"),
+                                                  ("ghost", "mixed", "xla"), ("bk", "mixed", "pallas")])
+def test_one_kernel_used_twice_gets_its_cross_term(mode, method, kernel):
+    """The same kernel at two strides (9 and 36 positions): one factored leaf, the norm with its cross term."""
+    keys = jax.random.split(jax.random.key(6), 2)
+    params = {"w": 0.3 * jax.random.normal(keys[0], (3, 3, C, 4)), "head": jax.random.normal(keys[1], (8, 3))}
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss_fn(p, batch):
+        a = jax.lax.conv_general_dilated(batch["x"], p["w"], (2, 2), "SAME", dimension_numbers=dn)
+        b = jax.lax.conv_general_dilated(jnp.tanh(batch["x"]), p["w"], (1, 1), "SAME", dimension_numbers=dn)
+        pooled = jnp.concatenate([jnp.mean(jnp.tanh(a), axis=(1, 2)), jnp.mean(jnp.tanh(b), axis=(1, 2))], -1)
+        return class_loss(pooled @ p["head"], batch["y"])
+
+    setup = Setup("twice", params, loss_fn, image_batch(6), ())
+    assert _rows(setup)["w"]["rule"] == "conv"
+    check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, norm_method=method, norm_kernel=kernel,
+                  floor=1e-4)
 
 
 def test_batch_groups_stay_an_exact_local_site():
