@@ -8,8 +8,10 @@ For ``out = conv_general_dilated(lhs, kernel)`` (any strides, padding, lhs / rhs
 with ``T`` the output positions (times the lhs's own batch axis, when the single-example program has one) and the
 patches unfolded by :func:`jax.lax.conv_general_dilated_patches` with the same window parameters. The feature
 groups are the blocks of :class:`~dpzero_jax.program.sites.Factored` (like a dot's batch dimensions), so the ghost
-norm (Grams ``[G, T, T]``), instantiation and clipped sums of the dot sites apply unchanged and the rule decides
-from the unfolded sizes ``T``, ``rows = Cin_g * prod(k)``, ``cols = Cout_g``.
+norm (Grams ``[G, T, T]``) and clipped sums of the dot sites apply unchanged. The rule decides from the unfolded
+sizes ``T``, ``rows = Cin_g * prod(k)``, ``cols = Cout_g`` (:func:`~dpzero_jax.program.sites.conv_factored`); where
+it picks instantiation the kernel gradient comes from the convolution's own VJP, as for a local site, so the
+``[T, rows]`` patches (``prod(k)`` times the input) are only formed for the ghost norm.
 
 Canonical layout of the kernel view: ``[G, Cin_g, *k, Cout_g]`` with the window axes ``k`` in the kernel's memory
 order (the order in which the patches flatten them, channel first); :func:`canonical_to_view` maps it back to the

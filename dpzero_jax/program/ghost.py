@@ -50,13 +50,13 @@ def eligible(plan) -> frozenset:
 
 def _squared_norm(site, method: str, w, ops, g):
     """One example's squared norm of the gradient of the site's leaf (slice), float32 scalar."""
-    if site.kind in ("dot", "conv"):
+    if site.kind == "dot" or (site.kind == "conv" and sites_lib.conv_factored([site], method)):
         if site.kind == "dot":
             left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
             ghost = pergrad.space_rule(method, left.shape[1], left.shape[2] * right.shape[2])
-        else:
+        else:   # unfolded only for the ghost norm; an instantiated kernel comes from the VJP below
             left, right = conv.factors(site.eqn, ops[0], g)
-            ghost = conv.use_ghost(method, left.shape[1], left.shape[2], right.shape[2])
+            ghost = True
         left, right = left.astype(jnp.float32), right.astype(jnp.float32)
         if ghost:
             return jnp.sum(jnp.einsum("ktr,ksr->kts", left, left) * jnp.einsum("ktc,ksc->kts", right, right))
@@ -177,7 +177,7 @@ def program_ghost(cfg, plan, params, batch, mask):
     _, fallback_ct, cotangents = pullback((ones, jax.tree.map(jnp.zeros_like, ports)))
 
     captured = {s.view.leaf for s in analysis.sites.values()} - set(ghost_leaves)
-    terms = bk._leaf_terms(plan, leaves, records, cotangents, fallback_ct, captured)
+    terms = bk._leaf_terms(plan, leaves, records, cotangents, fallback_ct, captured, method=cfg.norm_method)
     sq, summers = bk.norms_and_summers(cfg, plan, leaves, terms, size)
     for path in ghost_paths:
         sq[analysis.sites[path].view.leaf] = jnp.sum(cotangents[path].reshape(size, -1), axis=1)

@@ -6,11 +6,12 @@ site's output (:mod:`dpzero_jax.program.interpret`) and one ``jax.vjp`` with res
 fallback leaves only, so that no other parameter gradient is formed by autodiff. From each site's operands and
 output gradient (:mod:`dpzero_jax.program.sites`):
 
-* leaves whose sites are all ``dot`` / ``gather`` (or all ``conv``: unfolded patches, blocks = feature groups) get
-  :class:`~dpzero_jax.pergrad.Outer` factors, blockwise: norms by the ghost or instantiated form (the mixed rule of
-  ``pergrad``, with every cross term between uses: tied weights exact), clipped sums as one contraction per use;
+* leaves whose sites are all ``dot`` / ``gather`` (or all ``conv`` with the ghost norm picked: unfolded patches,
+  blocks = feature groups) get :class:`~dpzero_jax.pergrad.Outer` factors, blockwise: norms by the ghost or
+  instantiated form (the mixed rule of ``pergrad``, with every cross term between uses: tied weights exact),
+  clipped sums as one contraction per use;
 * leaves with a ``local`` site get their per-example gradient instantiated (``B x`` the leaf: scales, shifts,
-  position tables, class tokens, convolutions the conv rule does not take);
+  position tables, class tokens, convolutions the conv rule does not take or instantiates);
 * fallback leaves get theirs from the VJP (``B x`` the leaf).
 
 Then the usual clip coefficients per group and ``sum_i C_{m,i} g_{m,i}``. Examples with a zero coefficient
@@ -141,9 +142,10 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves):
     return losses, examples_first(records), examples_first(probe_ct), fallback_ct
 
 
-def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None):
+def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None, method: str = "mixed"):
     """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}`` for the fallback leaves and the leaves
-    whose sites were captured (all, or those in ``captured``)."""
+    whose sites were captured (all, or those in ``captured``). Conv sites are factored only where
+    :func:`~dpzero_jax.program.sites.conv_factored` says so for ``method``; else instantiated like local sites."""
     fallback = sorted(plan.analysis.fallback)
     terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32)) for i, g in zip(fallback, fallback_ct)}
     by_leaf: dict[int, list] = {}
@@ -151,8 +153,9 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
         if captured is None or site.view.leaf in captured:
             by_leaf.setdefault(site.view.leaf, []).append(site)
     for leaf, leaf_sites in by_leaf.items():
+        direct = {"local"} if sites_lib.conv_factored(leaf_sites, method) else {"local", "conv"}
         factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path]))
-                    for s in leaf_sites if s.kind != "local"]
+                    for s in leaf_sites if s.kind not in direct]
         if len(factored) == len(leaf_sites) and _same_blocks(factored):
             terms[leaf] = ("outer", factored)
             continue
@@ -160,7 +163,7 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
         for s, f in factored:
             total = total + sites_lib.instantiate(s, f, leaves[leaf])
         for s in leaf_sites:
-            if s.kind == "local":
+            if s.kind in direct:
                 total = total + sites_lib.local_grad(s, records[s.path], probe_ct[s.path], leaves[leaf])
         terms[leaf] = ("direct", total)
     return terms
@@ -261,7 +264,7 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
     losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves)
-    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct)
+    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct, method=cfg.norm_method)
     sq, summers = norms_and_summers(cfg, plan, leaves, terms, size)
     norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
     out = []
@@ -312,16 +315,12 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
 
 
 def _explain_conv(leaf_sites, method: str, size: int) -> tuple[str, int]:
-    """``(method, per-example bytes)`` of a kernel used by conv sites: the unfolded sizes decide as in
-    book-keeping (uses of one layout share their Grams; a kernel also used otherwise is instantiated)."""
-    shapes = {(tuple(s.eqn.params["dimension_numbers"][1]), conv.sizes(s.eqn)[::2], s.kind,
-               sites_lib.xs_lengths(s)) for s in leaf_sites}
-    if len(shapes) > 1:
+    """``(method, per-example bytes)`` of a kernel used by conv sites, as book-keeping decides
+    (:func:`~dpzero_jax.program.sites.conv_factored`)."""
+    if not sites_lib.conv_factored(leaf_sites, method):
         return "instantiate", 4 * size
-    groups, _, rows, cols = conv.sizes(leaf_sites[0].eqn)
-    positions = sum(_positions(s) for s in leaf_sites)
-    if not conv.use_ghost(method, positions, rows, cols):
-        return "instantiate", 4 * size
+    groups = conv.sizes(leaf_sites[0].eqn)[0]
+    positions = sum(sites_lib.conv_positions(s) for s in leaf_sites)
     return "ghost", 4 * groups * math.prod(sites_lib.xs_lengths(leaf_sites[0])) * positions ** 2
 
 
