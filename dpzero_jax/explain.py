@@ -5,8 +5,8 @@
     report.rows              # the same as dicts
 
 Rows: ``rule`` -- how the parameter's uses were recognised (layers front-end: the ``dpzero_jax`` layer rule;
-program front-end: ``dot`` / ``gather`` / ``local`` sites, or ``fallback``); ``method`` -- ``ghost`` (Gram form,
-``[T, T]`` per example), ``instantiate`` (the per-example gradient, the parameter's size per example),
+program front-end: ``dot`` / ``conv`` / ``gather`` / ``local`` sites, or ``fallback``); ``method`` -- ``ghost``
+(Gram form, ``[T, T]`` per example), ``instantiate`` (the per-example gradient, the parameter's size per example),
 ``direct`` (a small per-example gradient by its rule) or ``fallback`` (autodiff per example); ``per_example_bytes``
 -- float32 bytes per example the norm needs; ``why`` -- for a fallback, what in the program caused it.
 """

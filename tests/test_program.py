@@ -172,7 +172,7 @@ def test_tied_embedding_is_factored_with_its_cross_term():
                                      dz.engine.leaf_paths(setup.params), B)
     rows = {r["path"]: r for r in program_mode.explain(plan, setup.params, cfg)}
     assert rows["embed/embedding"]["rule"] == "dot+gather"
-    assert rows["conv/kernel"]["rule"] == "local" and rows["attn/query/kernel"]["rule"] == "dot"
+    assert rows["conv/kernel"]["rule"] == "conv" and rows["attn/query/kernel"]["rule"] == "dot"
     assert not plan.analysis.fallback
     plain = program_mode.plan_program(SETUPS["plain"]().loss_fn, cfg, SETUPS["plain"]().params,
                                       SETUPS["plain"]().batch, dz.engine.leaf_paths(SETUPS["plain"]().params), B)
@@ -299,6 +299,28 @@ def test_scan_with_shared_and_stacked_weights_and_a_nested_scan():
         check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, floor=1e-4)
     rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dz.DPConfig(), params, batch).rows}
     assert rows["shared"]["rule"] == "dot" and rows["stacked"]["rule"] == "dot" and rows["inner"]["rule"] == "local"
+
+
+def test_position_tables_at_constant_indices_are_sites_not_fallbacks():
+    """``wpe[jnp.arange(T)]`` (GPT-2's position table: a gather at constant indices) is a ``gather`` site and a
+    ``dynamic_slice`` at constant starts a ``local`` one; also when the looked-up rows meet a weight before any data."""
+    keys = jax.random.split(jax.random.key(12), 4)
+    params = {"wpe": 0.3 * jax.random.normal(keys[0], (T + 2, D)), "wte": 0.3 * jax.random.normal(keys[1], (T + 3, D)),
+              "w": jax.random.normal(keys[2], (D, D)) / 3, "head": jax.random.normal(keys[3], (D, 3))}
+    rng = np.random.default_rng(7)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        positions = jnp.take(p["wpe"], jnp.arange(T), axis=0) @ p["w"]        # no data before the dot
+        h = jnp.tanh(b["x"] + positions + jax.lax.dynamic_slice_in_dim(p["wte"], 1, T))
+        return -jnp.take_along_axis(jax.nn.log_softmax(h.mean(1) @ p["head"]), b["y"][:, None], 1)[:, 0]
+
+    setup = Setup("positions", params, loss_fn, batch, ())
+    rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dz.DPConfig(), params, batch).rows}
+    assert (rows["wpe"]["rule"], rows["wte"]["rule"], rows["w"]["rule"]) == ("gather", "local", "dot")
+    for mode in ("bk", "ghost"):
+        check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, floor=1e-4)
 
 
 def test_pallas_norm_kernels_on_the_program_front_end():

@@ -16,11 +16,18 @@ An equation that combines a :class:`View` with ``DATA`` is a :class:`Site`, one 
 * ``"dot"``    -- ``dot_general`` with a bijective view on one side (dense, einsum, per-head projections, the tied
   head ``x @ table.T``): the per-example gradient is a sum of outer products (``pergrad.Outer``), blockwise over the
   dot's batch dimensions;
+* ``"conv"``   -- ``conv_general_dilated`` with a bijective view as the kernel (any strides, padding, dilations,
+  dimension numbers, feature groups; ``batch_group_count == 1``): ``Outer`` of the unfolded input patches and the
+  output gradient, blockwise over the feature groups (:mod:`dpzero_jax.program.conv`);
 * ``"gather"`` -- a row lookup ``table[ids]`` of a bijective view (``jnp.take(table, ids, axis=0)``, ``nnx.Embed``):
   ``Outer`` with integer ids;
-* ``"local"``  -- any other primitive (scale and shift with broadcasting, convolutions, concatenation of a class
-  token, ...): the per-example gradient of the view is the local VJP of that one equation at the example's
+* ``"local"``  -- any other primitive (scale and shift with broadcasting, other convolutions, concatenation of a
+  class token, ...): the per-example gradient of the view is the local VJP of that one equation at the example's
   operands, instantiated (``B x`` the view's size) and mapped back to the leaf through the view's VJP.
+
+A row lookup ``table[idx]`` (``gather`` / ``dynamic_slice``) of a view at *constant* indices -- a position table
+``wpe[jnp.arange(T)]`` -- is a site too (``gather`` or ``local``), although no data enters it: its output is then
+treated as data, so its uses downstream are tracked by the probe's cotangent.
 
 A leaf that reaches the data through a :class:`Mixed` value, a loop carry, a ``while``/``cond``, a custom-VJP
 function or a scan slice of a non-elementwise view is a *fallback* leaf: its per-example gradient is computed by
@@ -39,6 +46,8 @@ import math
 from typing import Any
 
 from jax.extend import core as jcore
+
+from dpzero_jax.program import conv
 
 DATA = "data"
 CONST = "const"
@@ -76,12 +85,13 @@ class Site:
     ``lengths``: the lengths of the enclosing scans (outermost first)."""
 
     path: tuple
-    kind: str            # "dot" | "gather" | "local"
+    kind: str            # "dot" | "conv" | "gather" | "local"
     eqn: Any
     param_operand: int
     view: View
     recorded: tuple[int, ...]
     lengths: tuple[int, ...]
+    constant: bool = False   # no data enters it (a lookup at constant indices): its output is the same per example
 
     @property
     def out_aval(self):
@@ -197,6 +207,15 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
         sub, _ = _sub_jaxpr(eqn)
         return analyze(sub, kinds, analysis, here, lengths)
     has_data = any(k == DATA for k in kinds)
+    if not has_data and _constant_lookup(name, kinds, n_out):
+        # ``table[jnp.arange(T)]`` (a position table): a site with constant indices. Its output is treated as the
+        # example's from here on; the probe's cotangent is each example's gradient with respect to it.
+        view = kinds[0]
+        kind = "gather" if (name == "gather" and view.bijective
+                            and _is_row_gather(eqn, eqn.invars[0].aval.shape)) else "local"
+        recorded = tuple(i for i, v in enumerate(eqn.invars) if i != 0 and not isinstance(v, jcore.Literal))
+        analysis.sites[here] = Site(here, kind, eqn, 0, view, recorded, lengths, constant=True)
+        return [DATA]
     if not has_data:
         return [_param_only(eqn, kinds)] * n_out
     # Data meets trainable leaves: a site when exactly one operand is a view and the others are data or constants.
@@ -207,6 +226,8 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
         kind = "local"
         if name == "dot_general" and view.bijective:
             kind = "dot"
+        elif view.bijective and conv.supported(eqn, p):
+            kind = "conv"
         elif name == "gather" and p == 0 and view.bijective and _is_row_gather(eqn, eqn.invars[0].aval.shape):
             kind = "gather"
         recorded = tuple(i for i, v in enumerate(eqn.invars) if i != p and not isinstance(v, jcore.Literal))
@@ -221,6 +242,12 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
         reason = f"used by '{name}', which has no per-example rule"
     analysis.mark_fallback(frozenset().union(*(_leaves(k) for k in params_in)), reason)
     return [DATA] * n_out
+
+
+def _constant_lookup(name: str, kinds, n_out: int) -> bool:
+    """A ``gather`` / ``dynamic_slice`` of a view at constant indices (literals, or values computed from them)."""
+    return (name in ("gather", "dynamic_slice") and n_out == 1 and isinstance(kinds[0], View)
+            and all(k == CONST for k in kinds[1:]))
 
 
 def _param_only(eqn, kinds):

@@ -17,9 +17,10 @@ of the single-example program inside one ``jax.vjp``), then two pullbacks:
    gradient.
 
 Eligible: a leaf with exactly one site, not inside a scan that passes it whole (``"const"`` level: the iterations'
-gradients would need cross terms). Other leaves -- tied weights, a weight shared across scan iterations -- are
-captured as in book-keeping, and fallback leaves are differentiated per example (per-example copies); both are
-summed from what the first pullback gave.
+gradients would need cross terms), that takes the example's data (not a lookup at constant indices). Other
+leaves -- tied weights, a weight shared across scan iterations, a position table -- are captured as in
+book-keeping, and fallback leaves are differentiated per example (per-example copies); both are summed from what
+the first pullback gave.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax import pergrad
+from dpzero_jax.program import conv
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.interpret import add_probe, run
@@ -40,16 +42,23 @@ def eligible(plan) -> frozenset:
     count: dict[int, int] = {}
     for site in plan.analysis.sites.values():
         count[site.view.leaf] = count.get(site.view.leaf, 0) + 1
+    # A site without data (a lookup at constant indices) has an output that vmap does not batch: the cotangent
+    # reaching its custom backward would be the batch's sum. Captured as in book-keeping (a per-example probe).
     return frozenset(path for path, site in plan.analysis.sites.items()
-                     if count[site.view.leaf] == 1 and "const" not in site.view.levels)
+                     if count[site.view.leaf] == 1 and "const" not in site.view.levels and not site.constant)
 
 
 def _squared_norm(site, method: str, w, ops, g):
     """One example's squared norm of the gradient of the site's leaf (slice), float32 scalar."""
-    if site.kind == "dot":
-        left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
+    if site.kind == "dot" or (site.kind == "conv" and sites_lib.conv_factored([site], method)):
+        if site.kind == "dot":
+            left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
+            ghost = pergrad.space_rule(method, left.shape[1], left.shape[2] * right.shape[2])
+        else:   # unfolded only for the ghost norm; an instantiated kernel comes from the VJP below
+            left, right = conv.factors(site.eqn, ops[0], g)
+            ghost = True
         left, right = left.astype(jnp.float32), right.astype(jnp.float32)
-        if pergrad.space_rule(method, left.shape[1], left.shape[2] * right.shape[2]):
+        if ghost:
             return jnp.sum(jnp.einsum("ktr,ksr->kts", left, left) * jnp.einsum("ktc,ksc->kts", right, right))
         return jnp.sum(jnp.square(jnp.einsum("ktr,ktc->krc", left, right)))
     if site.kind == "gather":
@@ -168,7 +177,7 @@ def program_ghost(cfg, plan, params, batch, mask):
     _, fallback_ct, cotangents = pullback((ones, jax.tree.map(jnp.zeros_like, ports)))
 
     captured = {s.view.leaf for s in analysis.sites.values()} - set(ghost_leaves)
-    terms = bk._leaf_terms(plan, leaves, records, cotangents, fallback_ct, captured)
+    terms = bk._leaf_terms(plan, leaves, records, cotangents, fallback_ct, captured, method=cfg.norm_method)
     sq, summers = bk.norms_and_summers(cfg, plan, leaves, terms, size)
     for path in ghost_paths:
         sq[analysis.sites[path].view.leaf] = jnp.sum(cotangents[path].reshape(size, -1), axis=1)

@@ -6,11 +6,12 @@ site's output (:mod:`dpzero_jax.program.interpret`) and one ``jax.vjp`` with res
 fallback leaves only, so that no other parameter gradient is formed by autodiff. From each site's operands and
 output gradient (:mod:`dpzero_jax.program.sites`):
 
-* leaves whose sites are all ``dot`` / ``gather`` get :class:`~dpzero_jax.pergrad.Outer` factors, blockwise: norms
-  by the ghost or instantiated form (the mixed rule of ``pergrad``, with every cross term between uses: tied
-  weights exact), clipped sums as one contraction per use;
+* leaves whose sites are all ``dot`` / ``gather`` (or all ``conv`` with the ghost norm picked: unfolded patches,
+  blocks = feature groups) get :class:`~dpzero_jax.pergrad.Outer` factors, blockwise: norms by the ghost or
+  instantiated form (the mixed rule of ``pergrad``, with every cross term between uses: tied weights exact),
+  clipped sums as one contraction per use;
 * leaves with a ``local`` site get their per-example gradient instantiated (``B x`` the leaf: scales, shifts,
-  convolution kernels, position tables, class tokens);
+  position tables, class tokens, convolutions the conv rule does not take or instantiates);
 * fallback leaves get theirs from the VJP (``B x`` the leaf).
 
 Then the usual clip coefficients per group and ``sum_i C_{m,i} g_{m,i}``. Examples with a zero coefficient
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpzero_jax import clipping, pergrad
+from dpzero_jax.program import conv
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
 from dpzero_jax.program.interpret import add_probe, run
@@ -140,9 +142,10 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves):
     return losses, examples_first(records), examples_first(probe_ct), fallback_ct
 
 
-def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None):
+def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None, method: str = "mixed"):
     """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}`` for the fallback leaves and the leaves
-    whose sites were captured (all, or those in ``captured``)."""
+    whose sites were captured (all, or those in ``captured``). Conv sites are factored only where
+    :func:`~dpzero_jax.program.sites.conv_factored` says so for ``method``; else instantiated like local sites."""
     fallback = sorted(plan.analysis.fallback)
     terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32)) for i, g in zip(fallback, fallback_ct)}
     by_leaf: dict[int, list] = {}
@@ -150,8 +153,9 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
         if captured is None or site.view.leaf in captured:
             by_leaf.setdefault(site.view.leaf, []).append(site)
     for leaf, leaf_sites in by_leaf.items():
+        direct = {"local"} if sites_lib.conv_factored(leaf_sites, method) else {"local", "conv"}
         factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path]))
-                    for s in leaf_sites if s.kind != "local"]
+                    for s in leaf_sites if s.kind not in direct]
         if len(factored) == len(leaf_sites) and _same_blocks(factored):
             terms[leaf] = ("outer", factored)
             continue
@@ -159,7 +163,7 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
         for s, f in factored:
             total = total + sites_lib.instantiate(s, f, leaves[leaf])
         for s in leaf_sites:
-            if s.kind == "local":
+            if s.kind in direct:
                 total = total + sites_lib.local_grad(s, records[s.path], probe_ct[s.path], leaves[leaf])
         terms[leaf] = ("direct", total)
     return terms
@@ -260,7 +264,7 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
     losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves)
-    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct)
+    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct, method=cfg.norm_method)
     sq, summers = norms_and_summers(cfg, plan, leaves, terms, size)
     norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
     out = []
@@ -275,8 +279,9 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
 def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
     """Per trainable parameter: how the program front-end computes its per-example gradient.
 
-    Rows: ``path``, ``rule`` (the sites' kinds: ``dot`` / ``gather`` / ``local``, or ``fallback``), ``method``
-    (``ghost`` / ``instantiate`` for factored uses by the mixed rule, ``instantiate`` for local sites, ``fallback``:
+    Rows: ``path``, ``rule`` (the sites' kinds: ``dot`` / ``conv`` / ``gather`` / ``local``, or ``fallback``),
+    ``method`` (``ghost`` / ``instantiate`` for factored uses by the rule of ``cfg.norm_method`` -- for ``conv`` on
+    the unfolded sizes -- ``instantiate`` for local sites, ``fallback``:
     autodiff per example), ``per_example_bytes`` (float32 bytes the norm needs per example), ``group``, ``why``
     (the reason for a fallback).
     """
@@ -296,6 +301,8 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
             rule = "+".join(kinds)
             if "local" in kinds:
                 how, nbytes = "instantiate", 4 * size
+            elif "conv" in kinds:
+                how, nbytes = _explain_conv(leaf_sites, method, size)
             else:
                 positions = sum(_positions(s) for s in leaf_sites)
                 rows_cols = math.prod(leaf_sites[0].eqn.invars[leaf_sites[0].param_operand].aval.shape)
@@ -307,9 +314,21 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
     return rows
 
 
+def _explain_conv(leaf_sites, method: str, size: int) -> tuple[str, int]:
+    """``(method, per-example bytes)`` of a kernel used by conv sites, as book-keeping decides
+    (:func:`~dpzero_jax.program.sites.conv_factored`)."""
+    if not sites_lib.conv_factored(leaf_sites, method):
+        return "instantiate", 4 * size
+    groups = conv.sizes(leaf_sites[0].eqn)[0]
+    positions = sum(sites_lib.conv_positions(s) for s in leaf_sites)
+    return "ghost", 4 * groups * math.prod(sites_lib.xs_lengths(leaf_sites[0])) * positions ** 2
+
+
 def _positions(site) -> int:
     """Positions of one site per example (summed over the scan iterations of a leaf passed whole)."""
-    if site.kind == "gather":
+    if site.kind == "conv":
+        t = conv.positions(site.eqn)
+    elif site.kind == "gather":
         t = math.prod(site.eqn.invars[1].aval.shape[:-1])
     else:
         (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]

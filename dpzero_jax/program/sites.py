@@ -4,9 +4,10 @@ Arrays arriving here carry leading axes ``[B, *lengths]`` (the example, then the
 For a leaf sliced by a scan (level ``"xs"``) each iteration's gradient belongs to its own slice -- a *block*; for a
 leaf passed whole (level ``"const"``) the iterations' gradients add up -- more *positions*.
 
-* ``dot`` and ``gather`` sites give :class:`Factored`: ``left [B, K, T, rows]`` (or int ids ``[B, K, T]``) and
-  ``right [B, K, T, cols]`` with ``K`` blocks (scan slices x the dot's batch dimensions), the weight viewed in a
-  canonical layout ``[*batch, *contracting, *free]`` (a transpose of the view; norms unchanged);
+* ``dot``, ``conv`` and ``gather`` sites give :class:`Factored`: ``left [B, K, T, rows]`` (or int ids ``[B, K, T]``)
+  and ``right [B, K, T, cols]`` with ``K`` blocks (scan slices x the dot's batch dimensions or the conv's feature
+  groups), the weight viewed in a canonical layout ``[*batch, *contracting, *free]`` (a transpose of the view; a
+  conv's ``[G, Cin_g, *window, Cout_g]``, see :mod:`dpzero_jax.program.conv`; norms unchanged);
 * ``local`` sites give the per-example gradient of the whole leaf, ``[B, *leaf.shape]``.
 
 :func:`to_leaf` maps a ``[K, rows, cols]`` sum (or one example's blocks) back to the leaf: inverse transpose, then
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpzero_jax.program import conv
 from dpzero_jax.program.analyze import Site
 from dpzero_jax.program.interpret import bind
 
@@ -33,7 +35,7 @@ class Factored:
     rows: int
     left_is_ids: bool
     canonical_shape: tuple  # the view in canonical layout (per scan slice): [*dot batch, *contracting, *free]
-    perm: tuple             # view axes -> canonical axes
+    perm: tuple             # view axes -> canonical axes (() for a conv: see conv.canonical_to_view)
     swapped: bool = False   # left and right exchanged so that the factors follow the leaf's own axis order
     layout: tuple = ()      # what two uses must share to add their factors: the leaf axes of [rows | cols]
 
@@ -98,7 +100,7 @@ def _dot_factors(site: Site, data, g):
 
 
 def factored(site: Site, operands, g) -> Factored:
-    """A dot or gather site's factors with ``[B, K, T, ...]`` layout."""
+    """A dot, conv or gather site's factors with ``[B, K, T, ...]`` layout."""
     lead = 1 + len(site.lengths)
     if site.kind == "dot":
         def one(data, g_):
@@ -108,6 +110,14 @@ def factored(site: Site, operands, g) -> Factored:
         left, right = _vmap_n(one, lead, 0)(operands[0], g)
         canonical, perm = _canonical(site)
         ids = False
+    elif site.kind == "conv":
+        left, right = _vmap_n(lambda lhs, g_: conv.factors(site.eqn, lhs, g_), lead, 0)(operands[0], g)
+        left, right = _blocks(site, left, right, False)
+        view_axes = _leaf_axes(site)
+        # Two uses of one kernel share cross terms when their canonical layouts name the same leaf axes.
+        layout = (("conv", tuple(view_axes), tuple(site.eqn.params["dimension_numbers"][1]),
+                   int(site.eqn.params["feature_group_count"])) if view_axes is not None else ("view", site.path))
+        return Factored(left, right, left.shape[-1], False, conv.canonical_shape(site.eqn), (), False, layout)
     else:  # gather: operands[0] are the start indices [..., 1]
         table = tuple(site.eqn.invars[0].aval.shape)
         cols = math.prod(table[1:])
@@ -129,6 +139,27 @@ def factored(site: Site, operands, g) -> Factored:
             left, right, rows, swapped = right, left, right.shape[-1], True
             layout = (tuple(leaf_order[n_rows:]), tuple(leaf_order[:n_rows]))
     return Factored(left, right, rows, ids, tuple(canonical), perm, swapped, layout)
+
+
+def conv_factored(leaf_sites, method: str) -> bool:
+    """Whether the conv sites of one leaf are factored (unfolded into patches): all of the leaf's sites are conv
+    sites sharing one canonical layout and the rule of ``method`` picks the ghost norm on the unfolded sizes (all
+    positions ``T``, ``rows = Cin_g * prod(k)``, ``cols = Cout_g``). Otherwise they are instantiated through the
+    convolution's own VJP, like local sites: ``rows x cols`` per example and no ``[T, rows]`` patches."""
+    if any(s.kind != "conv" for s in leaf_sites):
+        return False
+    keys = {(tuple(s.eqn.params["dimension_numbers"][1]), conv.sizes(s.eqn)[::2], xs_lengths(s),
+             None if _leaf_axes(s) is None else tuple(_leaf_axes(s))) for s in leaf_sites}
+    if len(keys) > 1 or (len(leaf_sites) > 1 and any(_leaf_axes(s) is None for s in leaf_sites)):
+        return False
+    _, _, rows, cols = conv.sizes(leaf_sites[0].eqn)
+    return conv.use_ghost(method, sum(conv_positions(s) for s in leaf_sites), rows, cols)
+
+
+def conv_positions(site: Site) -> int:
+    """Positions of one conv site per example and block (times the iterations of a scan that passes it whole)."""
+    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+    return conv.positions(site.eqn) * math.prod(n for n, lv in zip(site.lengths, levels) if lv == "const")
 
 
 def _n_batch_axes(site: Site) -> int:
@@ -175,14 +206,17 @@ def to_leaf(site: Site, blocks, leaf, factored: Factored | None = None):
     leaf's shape (float32)."""
     canonical, perm = _canonical(site)
     xs = xs_lengths(site)
-    inverse = np.argsort(perm)
+    inverse = np.argsort(perm) if perm is not None else None
     slice_shape = leaf.shape[len(xs):]
 
     if getattr(factored, "swapped", False):
         blocks = jnp.swapaxes(blocks, -1, -2)
 
     def one(block, leaf_slice):
-        view_grad = jnp.transpose(block.reshape(canonical), inverse)
+        if site.kind == "conv":
+            view_grad = conv.canonical_to_view(site.eqn, block)
+        else:
+            view_grad = jnp.transpose(block.reshape(canonical), inverse)
         _, pullback = jax.vjp(lambda base: replay_chain(site, base, skip_casts=True).astype(jnp.float32),
                               leaf_slice.astype(jnp.float32))
         return pullback(view_grad.astype(jnp.float32))[0]
@@ -194,6 +228,10 @@ def to_leaf(site: Site, blocks, leaf, factored: Factored | None = None):
 
 
 def _canonical(site: Site):
+    """``(canonical shape, view axes -> canonical axes)``; a conv's canonical layout is no transpose of the view
+    (its output features split into groups): ``perm`` None, :func:`conv.canonical_to_view` maps it."""
+    if site.kind == "conv":
+        return conv.canonical_shape(site.eqn), None
     if site.kind == "gather":
         shape = tuple(site.eqn.invars[0].aval.shape)
         return shape, tuple(range(len(shape)))
@@ -243,7 +281,7 @@ def local_grad(site: Site, operands, g, leaf):
 
 
 def instantiate(site: Site, f: Factored, leaf):
-    """``[B, *leaf.shape]`` per-example gradient of a dot/gather site (for leaves that mix site kinds)."""
+    """``[B, *leaf.shape]`` per-example gradient of a dot/conv/gather site (for leaves that mix site kinds)."""
     if f.left_is_ids:
         batch, k = f.right.shape[:2]
         dense = jnp.zeros((batch, k, f.rows, f.right.shape[-1]), jnp.float32)
