@@ -181,7 +181,11 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--mode", choices=MODES)
     train.add_argument("--norm-kernel", choices=("auto", "xla", "pallas"),
                        help="per-example norms with XLA einsums or the tiled Pallas kernels (auto: xla for now)")
-    train.add_argument("--lr", type=_positive_float("--lr"))
+    train.add_argument("--lr", type=_positive_float("--lr"), help="the (peak) learning rate")
+    train.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"),
+                       help="after the warmup: constant, or cosine / linear decay to 0 at the last step")
+    train.add_argument("--warmup-steps", type=_non_negative_int("--warmup-steps"),
+                       help="linear warmup: lr * (t + 1) / N for the first N steps (default 0)")
     train.add_argument("--optimizer", choices=("adam", "sgd", "adamw"))
     train.add_argument("--weight-decay", type=_positive_float("--weight-decay", allow_zero=True))
     train.add_argument("--seed", type=_non_negative_int("--seed"))

@@ -446,15 +446,23 @@ def choose_mode(cfg: DPConfig, plan: Plan, backend: str | None = None,
     contractions as the non-private weight gradient; its extra work is the norms (ghost or instantiated, whichever
     ``norm_method`` picks per layer). Measured on this project's CPU benchmark it is the fastest exact mode on
     every workload (per-example gradients one example at a time pay ``B`` full parameter-sized writes and reads:
-    1.2-2.4x the non-private step). Its extra memory is the output gradient of every trainable layer, kept until
-    the norms are known; when that exceeds ``memory_budget_bytes`` (default: a quarter of the accelerator's memory,
-    unlimited on CPU and when the target -- ``backend``, else ``cfg.target`` -- is not this process's backend, as in
-    an ahead-of-time compile for a TPU on a CPU host) the ``ghost`` mode, which keeps none, is chosen instead.
+    1.2-2.4x the non-private step). Its extra memory is at most the output gradient of every trainable layer, kept
+    until the norms are known; when that exceeds ``memory_budget_bytes`` the ``ghost`` mode, which keeps none, is
+    chosen instead.
+
+    The default budget is a quarter of a GPU's memory when the target (``backend``, else ``cfg.target``) is this
+    process's backend, and none (always ``bk``) on a CPU and on a TPU. On a TPU the compiler schedules the kept
+    gradients away: compiled for a v5e chip (``experiments/bench_compiled.py``, GPT-2 small, T 1024, tied table)
+    ``ghost`` holds as many temporaries as ``bk`` at 8 per chip (11.40 against 11.38 GiB) and 0.12 GiB fewer at 16
+    (14.57 against 14.69 GiB), for 1.29x the FLOPs, while the output gradients count 4.4 GB at 8 per chip -- the
+    quarter-of-memory rule picked ``ghost`` there for nothing. Pass ``mode="ghost"`` for the last example per chip
+    (17 against 16 there). Programs with remat regions get ``ghost`` on the traced-program front-end whatever the
+    target (book-keeping would keep what remat recomputes).
     """
     if cfg.mode != "auto":
         return cfg
     backend = backend or cfg.target or jax.default_backend()
-    if memory_budget_bytes is None and backend != "cpu" and backend == jax.default_backend():
+    if memory_budget_bytes is None and backend == "gpu" and backend == jax.default_backend():
         stats = jax.devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit")
         memory_budget_bytes = None if limit is None else limit // 4

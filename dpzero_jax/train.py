@@ -42,7 +42,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, hf, models, peft, rmm, rmm_diagnostics, rundir, sharding, text, validation
+from dpzero_jax import accounting, hf, models, optim, peft, rmm, rmm_diagnostics, rundir, sharding, text, validation
 from dpzero_jax import checkpoints as ckpt
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
@@ -62,7 +62,6 @@ PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
                      "devices", "mesh", "dcn_mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
                      "process_id", "rmm_diagnostics_every", "export")
-OPTIMIZERS = ("adam", "sgd", "adamw")
 EPSILON_DEFAULT = 3.0
 CLIP_FNS = ("abadi", "automatic", "global")
 MAX_CAP_FACTOR = 4   # a Poisson batch cap above this many times the expected batch is refused (Trainer._batch_cap)
@@ -145,6 +144,8 @@ class TrainConfig:
     mode: str = "auto"
     norm_kernel: str = "auto"
     lr: float = 1e-2
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     optimizer: str = "adam"
     weight_decay: float = 1e-4
     seed: int = 0
@@ -234,8 +235,15 @@ class TrainConfig:
             rundir.check_export_target(self.export, _hf_path(self))
         if self.dataset not in DATASETS:
             fail("dataset", f"one of {DATASETS}", self.dataset)
-        if self.optimizer not in OPTIMIZERS:
-            fail("optimizer", f"one of {OPTIMIZERS}", self.optimizer)
+        if self.optimizer not in optim.OPTIMIZERS:
+            fail("optimizer", f"one of {optim.OPTIMIZERS}", self.optimizer)
+        if self.lr_schedule not in optim.SCHEDULES:
+            fail("lr_schedule", f"one of {optim.SCHEDULES}", self.lr_schedule)
+        if not is_int(self.warmup_steps) or self.warmup_steps < 0:
+            fail("warmup_steps", "an integer >= 0", self.warmup_steps)
+        if self.steps is not None and is_int(self.steps) and is_int(self.warmup_steps) and \
+                self.warmup_steps and self.warmup_steps >= self.steps:
+            fail("warmup_steps", f"below steps={self.steps}", self.warmup_steps)
         if self.clip_fn not in CLIP_FNS:
             fail("clip_fn", f"one of {CLIP_FNS}", self.clip_fn)
         if self.mode not in MODES:
@@ -632,14 +640,6 @@ def _make_mesh(cfg: TrainConfig):
     return sharding.make_mesh(shape, dcn=dcn)
 
 
-def _make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    if cfg.optimizer == "adam":
-        return optax.adam(cfg.lr)
-    if cfg.optimizer == "adamw":
-        return optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
-    return optax.sgd(cfg.lr, momentum=0.9)
-
-
 class Trainer:
     """Builds data, model, optimizer, sampler and the compiled step from a :class:`TrainConfig`.
 
@@ -738,7 +738,8 @@ class Trainer:
             if cfg.rmm_diagnostics_every:
                 self._rmm_diagnostics = _diagnostics_fn(loss_fn)
         _, apply_fn = models.logits_fn(model, trainable=trainable)
-        self.tx = _make_optimizer(cfg)
+        self.learning_rate = optim.learning_rate_schedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.steps)
+        self.tx = optim.make_optimizer(cfg.optimizer, self.learning_rate, cfg.weight_decay)
         self._build_step(loss_fn, apply_fn, loss_for_key)
         if "input_ids" in self.train_data:
             self._evaluate_text = _text_evaluator(apply_fn, cfg.task)
@@ -1081,7 +1082,8 @@ class Trainer:
                             self.accounting_s["rows"] += time.perf_counter() - tick
                             self.accounting_s["row_count"] += 1
                         row = {"step": done, "loss": float(loss), metric_name(False): float(acc),
-                               "epsilon": eps, "batch_size": int(batch_info.realised_size)}
+                               "epsilon": eps, "batch_size": int(batch_info.realised_size),
+                               "lr": float(self.learning_rate(step))}
                         row.update(diagnostics or {})
                         if evaluate:
                             test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)

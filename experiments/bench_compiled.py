@@ -489,8 +489,8 @@ def compile_candidate(candidate: str, shape: Shape, mesh):
 
 
 def resolved_auto(shape: Shape) -> dict:
-    """What ``choose_mode`` picks for ``mode="auto"`` on this host and for one v5e chip (budget: a quarter of its
-    16 GiB, the rule ``choose_mode`` applies to an accelerator's ``bytes_limit``)."""
+    """What ``choose_mode`` picks for ``mode="auto"`` on this host and for one v5e chip (``backend="tpu"``: on a
+    TPU, as on a CPU, no memory budget applies by default)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -507,7 +507,7 @@ def resolved_auto(shape: Shape) -> dict:
         _, loss_fn = lm_objective(nnx.merge(graphdef, params, rest), trainable=trainable)
         plan = dz.make_plan(loss_fn, cfg, params, batch)
         found["host"] = dz.choose_mode(cfg, plan).mode
-        found["v5e_chip"] = dz.choose_mode(cfg, plan, backend="tpu", memory_budget_bytes=CHIPS["v5e"][2] // 4).mode
+        found["v5e_chip"] = dz.choose_mode(cfg, plan, backend="tpu").mode
         return 0
 
     jax.eval_shape(trace, params, rest, batch)

@@ -10,6 +10,9 @@ Per depth ``L`` and layout the script measures, in one process:
 
 * **compile**: ``jit(f).lower(args).compile()`` wall time (trace + planning + XLA), non-DP and DP, and the ratio;
 * **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round;
+* **noise floor**: the Gaussian noise alone (``dz.noise.privatize`` of a gradient-shaped tree, jitted, timed in
+  the same rounds), as a fraction of the non-DP step: every DP-SGD step draws one normal per parameter, so no
+  engine's step ratio can be below ``1 + noise``; ``x step - noise`` is the rest (norms, clipped sums, layout);
 * **memory**: ``compiled.memory_analysis().temp_size_in_bytes`` of the DP step against the non-DP step; on the
   ``scan+remat`` row (``nn.remat`` around every block, at the first depth) also of ``mode="ghost"`` (what ``auto``
   picks there: its norms come out of the rematerialised backward) and ``mode="bk"`` (which keeps every site's
@@ -91,7 +94,8 @@ def setup(layers: int, scan: bool, remat: bool = False):
 
 
 def compiled_pair(params, batch, loss_fn, modes=("auto",)):
-    """``{"nondp": ..., "dp": (auto), "ghost": ... }``: (compiled, args, lower + compile seconds)."""
+    """``{"nondp": ..., "dp": (auto), "ghost": ..., "noise": (the noise alone)}``: (compiled, args, lower + compile
+    seconds)."""
     nondp = jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(loss_fn(p, b))))
     key = jax.random.key(1)
     candidates = [("nondp", nondp, (params, batch))]
@@ -99,6 +103,8 @@ def compiled_pair(params, batch, loss_fn, modes=("auto",)):
         cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode=mode, expected_batch_size=BATCH)
         candidates.append(("dp" if mode == "auto" else mode, jax.jit(dz.private_value_and_grad(loss_fn, cfg)),
                            (params, batch, key)))
+    noise_only = jax.jit(lambda grads, key: dz.noise.privatize(grads, key, 1.0, 1.0, BATCH))
+    candidates.append(("noise", noise_only, (params, key)))
     out = {}
     for name, fn, args in candidates:
         start = time.perf_counter()
@@ -107,14 +113,14 @@ def compiled_pair(params, batch, loss_fn, modes=("auto",)):
     return out
 
 
-def step_ratio(pair, rounds: int) -> tuple[float, float, float]:
-    """(median paired DP/non-DP ratio, median non-DP seconds, median DP seconds)."""
-    pair = {name: pair[name] for name in ("nondp", "dp")}
+def step_ratio(pair, rounds: int) -> tuple[float, float, float, float]:
+    """(median paired DP/non-DP ratio, median non-DP seconds, median DP seconds, median paired noise/non-DP)."""
+    pair = {name: pair[name] for name in ("nondp", "dp", "noise")}
     for compiled, args, _ in pair.values():
         jax.block_until_ready(compiled(*args))
-    ratios, times = [], {"nondp": [], "dp": []}
+    ratios, noise, times = [], [], {"nondp": [], "dp": [], "noise": []}
     for r in range(rounds):
-        order = ("nondp", "dp") if r % 2 == 0 else ("dp", "nondp")
+        order = ("nondp", "dp", "noise") if r % 2 == 0 else ("noise", "dp", "nondp")
         this = {}
         for name in order:
             compiled, args, _ = pair[name]
@@ -123,7 +129,9 @@ def step_ratio(pair, rounds: int) -> tuple[float, float, float]:
             this[name] = time.perf_counter() - start
             times[name].append(this[name])
         ratios.append(this["dp"] / this["nondp"])
-    return statistics.median(ratios), statistics.median(times["nondp"]), statistics.median(times["dp"])
+        noise.append(this["noise"] / this["nondp"])
+    return (statistics.median(ratios), statistics.median(times["nondp"]), statistics.median(times["dp"]),
+            statistics.median(noise))
 
 
 def main(argv=None):
@@ -141,7 +149,8 @@ def main(argv=None):
     unrolled = args.depths if args.unrolled is None else args.unrolled
     rows = []
     header = f"{'layout':<10} {'L':>3} {'compile non-DP s':>16} {'compile DP s':>12} {'x compile':>9} " \
-             f"{'step non-DP ms':>14} {'step DP ms':>10} {'x step':>7} {'temp non-DP MiB':>15} {'temp DP MiB':>11} " \
+             f"{'step non-DP ms':>14} {'step DP ms':>10} {'x step':>7} {'x noise':>7} {'temp non-DP MiB':>15} " \
+             f"{'temp DP MiB':>11} " \
              f"{'x temp':>7}"
     print(f"backend {jax.default_backend()}, width {WIDTH}, T {SEQ}, B {BATCH}, vocab {VOCAB}, tied head")
     print(header)
@@ -150,12 +159,13 @@ def main(argv=None):
     for layout, layers, remat in cases:
         params, batch, loss_fn = setup(layers, scan=layout != "unrolled", remat=remat)
         pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",))
-        ratio, t_nondp, t_dp = step_ratio(pair, args.rounds)
+        ratio, t_nondp, t_dp, noise = step_ratio(pair, args.rounds)
         mem = {name: pair[name][0].memory_analysis() for name in pair}
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
         row = {"layout": layout, "layers": layers, "compile_nondp_s": pair["nondp"][2], "compile_dp_s": pair["dp"][2],
                "compile_ratio": pair["dp"][2] / pair["nondp"][2], "step_nondp_s": t_nondp, "step_dp_s": t_dp,
-               "step_ratio_paired": ratio, "temp_nondp_bytes": temp["nondp"], "temp_dp_bytes": temp["dp"],
+               "step_ratio_paired": ratio, "noise_ratio_paired": noise, "step_ratio_minus_noise": ratio - noise,
+               "temp_nondp_bytes": temp["nondp"], "temp_dp_bytes": temp["dp"],
                "temp_ratio": temp["dp"] / max(temp["nondp"], 1)}
         if "ghost" in temp:
             row.update(temp_ghost_bytes=temp["ghost"], temp_ghost_ratio=temp["ghost"] / max(temp["nondp"], 1),
@@ -163,12 +173,12 @@ def main(argv=None):
                        temp_bk_ratio=temp["bk"] / max(temp["nondp"], 1))
         rows.append(row)
         print(f"{layout:<10} {layers:>3} {row['compile_nondp_s']:>16.2f} {row['compile_dp_s']:>12.2f} "
-              f"{row['compile_ratio']:>9.2f} {1e3 * t_nondp:>14.1f} {1e3 * t_dp:>10.1f} {ratio:>7.3f} "
+              f"{row['compile_ratio']:>9.2f} {1e3 * t_nondp:>14.1f} {1e3 * t_dp:>10.1f} {ratio:>7.3f} {noise:>7.3f} "
               f"{temp['nondp'] / 2**20:>15.1f} {temp['dp'] / 2**20:>11.1f} {row['temp_ratio']:>7.2f}", flush=True)
         for mode in ("ghost", "bk"):
             if mode in temp:
                 print(f"{'  ' + mode:<10} {layers:>3} {'':>16} {pair[mode][2]:>12.2f} {'':>9} {'':>14} {'':>10} "
-                      f"{'':>7} {temp['nondp'] / 2**20:>15.1f} {temp[mode] / 2**20:>11.1f} "
+                      f"{'':>7} {'':>7} {temp['nondp'] / 2**20:>15.1f} {temp[mode] / 2**20:>11.1f} "
                       f"{temp[mode] / max(temp['nondp'], 1):>7.2f}")
     deepest = max(args.depths)
     target = [r for r in rows if r["layout"] == "scan" and r["layers"] == deepest]
@@ -178,6 +188,9 @@ def main(argv=None):
                    f"scan L={deepest} step <= 1.05x": target[0]["step_ratio_paired"] <= 1.05}
         for name, ok in targets.items():
             print(f"{'PASS' if ok else 'FAIL'}  {name}")
+        floor = 1 + target[0]["noise_ratio_paired"]
+        print(f"      the noise alone puts any DP-SGD step at >= {floor:.3f}x here; the rest of the DP step is "
+              f"{target[0]['step_ratio_minus_noise']:.3f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"backend": jax.default_backend(), "width": WIDTH, "seq": SEQ, "batch": BATCH, "vocab": VOCAB,

@@ -169,6 +169,28 @@ def test_parameter_paths_and_uniform_groups():
     np.testing.assert_allclose(plan.thresholds, [0.5] * 4)
 
 
+def test_auto_memory_budget_applies_on_a_gpu_not_on_a_tpu(monkeypatch):
+    """On the device itself, ``auto`` compares what book-keeping keeps with a quarter of a GPU's memory; on a TPU
+    no budget applies (compiled for v5e, ghost is no smaller there: see ``choose_mode``)."""
+    import jax
+
+    from dpzero_jax import engine
+
+    setup = mlp()
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="auto")
+    plan = dz.make_plan(setup.loss_fn, cfg, setup.params, setup.batch)
+
+    class TinyDevice:
+        def memory_stats(self):
+            return {"bytes_limit": 64}      # a quarter: 16 bytes, less than any output gradient
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [TinyDevice()])
+    for backend, expected in (("gpu", "ghost"), ("tpu", "bk")):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert engine.choose_mode(cfg, plan).mode == expected
+        assert engine.choose_mode(cfg.replace(target=backend), plan).mode == expected
+
+
 def test_choose_mode_and_autotune_return_exact_concrete_modes():
     """auto resolves to a concrete mode (bk, or ghost over a memory budget); autotune times the candidates and
     returns one whose gradient matches the reference."""
