@@ -62,6 +62,8 @@ How to run
     PYTHONPATH=$PWD /work/venv-tpu/bin/python experiments/bench_compiled.py            # default grid
     PYTHONPATH=$PWD /work/venv-tpu/bin/python experiments/bench_compiled.py --smoke    # one tiny shape
     PYTHONPATH=$PWD /work/venv-tpu/bin/python experiments/bench_compiled.py --full     # every shape + max batch
+    PYTHONPATH=$PWD /work/venv-tpu/bin/python experiments/bench_compiled.py --extra --shapes 9 --only nonprivate,auto
+                                                                  # one point of the extra grid (gpt2-medium)
 
 Results are cached per (topology, shape, candidate) in ``experiments/results/bench_compiled_tpu.json`` (``--out``):
 a rerun compiles only the points that are missing (``--recompute`` ignores the cache).
@@ -703,6 +705,8 @@ def main(argv=None):
     grid = parser.add_mutually_exclusive_group()
     grid.add_argument("--smoke", action="store_true", help="one tiny shape (seconds)")
     grid.add_argument("--full", action="store_true", help="every shape and the largest-batch search")
+    grid.add_argument("--extra", action="store_true",
+                      help="every shape (the default grid + the extra shapes), without the largest-batch search")
     parser.add_argument("--max-batch-start", type=int, default=8,
                         help="the per-chip batch the largest-batch search probes first (default 8)")
     parser.add_argument("--max-batch", action="store_true", help="also search the largest per-chip batch")
@@ -734,7 +738,7 @@ def main(argv=None):
     if args.smoke:
         shapes, candidates = SMOKE_SHAPES, SMOKE_CANDIDATES
     else:
-        shapes, candidates = DEFAULT_SHAPES + (FULL_EXTRA if args.full else []), CANDIDATES
+        shapes, candidates = DEFAULT_SHAPES + (FULL_EXTRA if args.full or args.extra else []), CANDIDATES
     if args.shapes:
         shapes = [shapes[int(i)] for i in args.shapes.split(",")]
     if args.only:
