@@ -192,6 +192,11 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--out", help="output directory or gs:// (s3://, ...) URL (metrics.jsonl, training.png, "
                                      "checkpoints/)")
     train.add_argument("--log-every", type=_positive_int("--log-every"))
+    train.add_argument("--tensorboard", action="store_true",
+                       help="also write the metric rows as TensorBoard event files under OUT/tensorboard "
+                            "(pip install 'dpzero_jax[tensorboard]')")
+    train.add_argument("--wandb", dest="wandb_project", metavar="PROJECT",
+                       help="also log the metric rows to this Weights & Biases project (wandb installed, logged in)")
     train.add_argument("--checkpoint-every", type=_non_negative_int("--checkpoint-every"), help="0: never")
     train.add_argument("--keep-checkpoints", type=_positive_int("--keep-checkpoints"))
     train.add_argument("--eval-every", type=_non_negative_int("--eval-every"),

@@ -25,6 +25,7 @@ step; needs matplotlib, the ``plot`` extra, else skipped with a notice), ``summa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -42,7 +43,20 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpzero_jax import accounting, hf, models, optim, peft, rmm, rmm_diagnostics, rundir, sharding, text, validation
+from dpzero_jax import (
+    accounting,
+    hf,
+    metric_writers,
+    models,
+    optim,
+    peft,
+    rmm,
+    rmm_diagnostics,
+    rundir,
+    sharding,
+    text,
+    validation,
+)
 from dpzero_jax import checkpoints as ckpt
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
@@ -61,7 +75,7 @@ PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # options that may differ between a run and its resumption (they do not change what is computed)
 RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every", "keep_checkpoints", "eval_every",
                      "devices", "mesh", "dcn_mesh", "zero", "strategy", "distributed", "coordinator", "num_processes",
-                     "process_id", "rmm_diagnostics_every", "export")
+                     "process_id", "rmm_diagnostics_every", "export", "tensorboard", "wandb_project")
 EPSILON_DEFAULT = 3.0
 CLIP_FNS = ("abadi", "automatic", "global")
 MAX_CAP_FACTOR = 4   # a Poisson batch cap above this many times the expected batch is refused (Trainer._batch_cap)
@@ -151,6 +165,8 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/dpzero"
     log_every: int = 10
+    tensorboard: bool = False
+    wandb_project: str | None = None
     checkpoint_every: int = 50
     keep_checkpoints: int = 3
     sampling: str = "poisson"
@@ -237,6 +253,11 @@ class TrainConfig:
             fail("dataset", f"one of {DATASETS}", self.dataset)
         if self.optimizer not in optim.OPTIMIZERS:
             fail("optimizer", f"one of {optim.OPTIMIZERS}", self.optimizer)
+        if not isinstance(self.tensorboard, bool):
+            fail("tensorboard", "a bool", self.tensorboard)
+        if self.wandb_project is not None and (not isinstance(self.wandb_project, str) or not self.wandb_project):
+            fail("wandb_project", "a non-empty string or None", self.wandb_project)
+        metric_writers.check(self.metric_writers, self.out, self.wandb_project)
         if self.lr_schedule not in optim.SCHEDULES:
             fail("lr_schedule", f"one of {optim.SCHEDULES}", self.lr_schedule)
         if not is_int(self.warmup_steps) or self.warmup_steps < 0:
@@ -365,6 +386,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def metric_writers(self) -> tuple[str, ...]:
+        """The writers besides ``metrics.jsonl`` (:mod:`dpzero_jax.metric_writers`)."""
+        return ("tensorboard",) * bool(self.tensorboard) + ("wandb",) * (self.wandb_project is not None)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -992,12 +1018,14 @@ class Trainer:
         return found.step, found.params, found.opt_state, accounting.PrivacyLedger.from_dict(found.ledger)
 
     # ---------------------------------------------------------------- the loop
-    def run(self, resume: bool | str = False, stop_at: int | None = None) -> TrainResult:
+    def run(self, resume: bool | str = False, stop_at: int | None = None, callbacks=()) -> TrainResult:
         """``resume``: False (a new run; refused if ``out`` holds another run's outputs), True (continue from the
         newest good checkpoint; an error if there is none) or ``"or-start"`` (resume if there is a checkpoint,
         else start anew in a directory without earlier outputs). ``out`` (and ``export``) are checked writable
         and ``out`` is locked for the duration (:mod:`dpzero_jax.rundir`). A final evaluation that is not finite
-        raises :class:`NonFiniteEvaluationError` (carrying the result) after the outputs are written."""
+        raises :class:`NonFiniteEvaluationError` (carrying the result) after the outputs are written.
+        ``callbacks``: callables ``fn(row)`` run on the first process with every metrics row (a dict, as written to
+        ``metrics.jsonl``), after the TensorBoard / W&B writers (``TrainConfig.tensorboard`` / ``wandb_project``)."""
         resume = rundir.resume_mode(resume)
         if resume is True and not (self.out / "checkpoints").is_dir():   # a typo in --out: create nothing
             raise FileNotFoundError(f"resume: {self.out} holds no checkpoints/ to resume from (use "
@@ -1007,12 +1035,12 @@ class Trainer:
             rundir.check_output_paths(self.out, self.config.export)
             lock = rundir.RunLock(self.out).acquire()
         try:
-            return self._run(resume, stop_at)
+            return self._run(resume, stop_at, tuple(callbacks))
         finally:
             if lock is not None:
                 lock.release()
 
-    def _run(self, resume, stop_at: int | None) -> TrainResult:
+    def _run(self, resume, stop_at: int | None, callbacks: tuple = ()) -> TrainResult:
         tqdm = _progress_bar_class(self.config.progress)
         cfg = self.config
         start_time = time.perf_counter()
@@ -1049,7 +1077,12 @@ class Trainer:
             # rows are streamed to this file, not kept in memory (remote: staged, uploaded at each checkpoint)
             metrics = rundir.MetricsFile(metrics_path if self.is_primary else None, earlier)
             del earlier
-            with metrics:
+            writers = metric_writers.open_writers(cfg.metric_writers, self.out, config=cfg.to_dict(),
+                                                  wandb_project=cfg.wandb_project, first_step=start + 1) \
+                if self.is_primary else []
+            with metrics, contextlib.ExitStack() as closing:
+                for writer in writers:
+                    closing.callback(writer.close)
                 for step in range(start, end):
                     _, noise_key = self.step_keys(step)
                     batch_info = self.sample(step)
@@ -1089,6 +1122,8 @@ class Trainer:
                             test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
                             row.update(test_loss=float(test_loss), **{metric_name(True): float(test_acc)})
                         metrics.write(row)
+                        for sink in (*(w.write for w in writers), *(callbacks if self.is_primary else ())):
+                            sink(row)
                         eps = row["epsilon"]
                         bar.set_postfix(loss=f"{row['loss']:.3f}", **{short: f"{float(acc):.3f}"},
                                         **({} if test_acc is None else {f"test_{short}": f"{float(test_acc):.3f}"}),
@@ -1096,6 +1131,8 @@ class Trainer:
                     if manager is not None and (done % cfg.checkpoint_every == 0 or done == end):
                         self._save(manager, done, params, opt_state, ledger)
                         metrics.sync()
+                        for writer in writers:
+                            writer.sync()
         finally:
             bar.close()
             if manager is not None:
