@@ -99,3 +99,17 @@ def test_unsupported_llama_family_configs_are_refused(checkpoints, tmp_path):
         dz.models.from_pretrained(_edit_config(checkpoints["qwen2"][0], tmp_path / "qsw", use_sliding_window=True))
     with pytest.raises(ValueError, match="causal language model: num_labels"):
         dz.models.from_pretrained(path, num_labels=3)
+
+
+def test_lora_default_targets_are_the_seven_projections(checkpoints):
+    import jax
+
+    model = dz.models.from_pretrained(checkpoints["llama"][0])
+    lora, trainable = dz.peft.apply(model, "lora", rank=2, key=jax.random.key(0))
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    expected = sorted(f"layers/{'mlp' if p.endswith(('gate_proj', 'up_proj', 'down_proj')) else 'self_attn'}/{p}/"
+                      f"lora_{ab}/kernel" for p in projections for ab in "ab")
+    assert trainable.names == expected                                   # not the LM head
+    assert lora.layers.self_attn.k_proj.lora_a.kernel[...].shape == (2, 32, 2)   # one adapter per stacked layer
+    ids = jnp.asarray(hf_helpers.token_batch(320, 2, 8, seed=8), jnp.int32)
+    np.testing.assert_allclose(np.asarray(lora(ids)), np.asarray(model(ids)), rtol=1e-6)   # B starts at zero
