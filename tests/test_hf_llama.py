@@ -113,3 +113,17 @@ def test_lora_default_targets_are_the_seven_projections(checkpoints):
     assert lora.layers.self_attn.k_proj.lora_a.kernel[...].shape == (2, 32, 2)   # one adapter per stacked layer
     ids = jnp.asarray(hf_helpers.token_batch(320, 2, 8, seed=8), jnp.int32)
     np.testing.assert_allclose(np.asarray(lora(ids)), np.asarray(model(ids)), rtol=1e-6)   # B starts at zero
+
+
+def test_sharded_checkpoints_load_and_export(checkpoints, tmp_path):
+    path, torch_model = checkpoints["qwen2"]
+    torch_model.save_pretrained(tmp_path / "in", max_shard_size="20KB")
+    assert (tmp_path / "in" / "model.safetensors.index.json").is_file()
+    model = dz.models.from_pretrained(tmp_path / "in")
+    ids = hf_helpers.token_batch(320, 2, 10, seed=9)
+    expected = logits(torch_model, ids)
+    assert_close(model(jnp.asarray(ids, jnp.int32)), expected)
+    model.save_pretrained(tmp_path / "out", max_shard_bytes=30_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2 and not (tmp_path / "out" / "model.safetensors").exists()
+    assert_close(logits(transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "out").eval(), ids), expected)

@@ -248,8 +248,10 @@ class Llama(nnx.Module):
 
         return pretrained.load(path, expect=cls, dtype=dtype, seed=seed, scan_layers=scan_layers)
 
-    def save_pretrained(self, path) -> None:
-        """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``*ForCausalLM``)."""
+    def save_pretrained(self, path, *, max_shard_bytes: int | None = None) -> None:
+        """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``*ForCausalLM``); sharded with
+        an index past ``max_shard_bytes`` (default 5 GiB)."""
+        from dpzero_jax import hf
         from dpzero_jax.models import pretrained
 
-        pretrained.save(self, path)
+        pretrained.save(self, path, max_shard_bytes=max_shard_bytes or hf.MAX_SHARD_BYTES)

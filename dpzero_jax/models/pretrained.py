@@ -454,12 +454,13 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
 
 
 # ---------------------------------------------------------------- export
-def save(model: nnx.Module, path):
+def save(model: nnx.Module, path, *, max_shard_bytes: int = hf.MAX_SHARD_BYTES):
     """Write ``model`` (GPT2, BertEncoder or ViT; LoRA adapters folded in) as a ``transformers`` checkpoint.
 
     ``path``: a local directory (returned as a ``pathlib.Path``) or a ``gs://`` / ``s3://`` ... URL (returned as an
     ``etils.epath.Path``): the checkpoint is then written to a local temporary directory and its files streamed
-    there (:func:`dpzero_jax.rundir.upload_directory`)."""
+    there (:func:`dpzero_jax.rundir.upload_directory`). Past ``max_shard_bytes`` the weights are written in shards
+    with an index (:func:`dpzero_jax.hf.write_checkpoint`)."""
     from dpzero_jax import peft, rundir
 
     model = peft.merge_lora(model)
@@ -493,9 +494,9 @@ def save(model: nnx.Module, path):
     for entry in entries:
         tensors.update(zip(entry.names, entry.to_hf(values[entry.path]), strict=True))
     if not rundir.is_remote(path):
-        return hf.write_checkpoint(path, hf_config, tensors)
+        return hf.write_checkpoint(path, hf_config, tensors, max_shard_bytes=max_shard_bytes)
     with tempfile.TemporaryDirectory(prefix="dpzero-export-") as local:
-        hf.write_checkpoint(local, hf_config, tensors)
+        hf.write_checkpoint(local, hf_config, tensors, max_shard_bytes=max_shard_bytes)
         return rundir.upload_directory(Path(local), path)
 
 
