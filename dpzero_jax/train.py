@@ -118,7 +118,7 @@ class TrainConfig:
     ``rmm_diagnostics_every``: every that many steps, paper 002's D2_SGD, D2_RMM and alpha of each RMM layer on the
     step's batch go into ``metrics.jsonl`` (0: never).
     ``model="hf:PATH"``: a Hugging Face checkpoint directory (:mod:`dpzero_jax.models.pretrained`): GPT-2 or a
-    Llama-family model (Llama, Mistral, Qwen2, Gemma) for ``task="causal-lm"``; BERT / RoBERTa (text) or ViT (the
+    Llama-family model (Llama, Mistral, Qwen2, Gemma 1 / 2) for ``task="causal-lm"``; BERT / RoBERTa (text) or ViT (the
     image ``dataset``) for ``task="classification"``.
     Text: ``data`` (a ``.txt`` or ``.jsonl`` file; None: the embedded corpus, :mod:`dpzero_jax.text`),
     ``eval_data`` (None: a fixed 10% of ``data`` held out), ``max_length`` tokens per example (None: the model's

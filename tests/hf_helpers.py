@@ -121,6 +121,9 @@ LLAMA_FAMILY = {   # model_type -> (config class, model class, extra config)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"num_key_value_heads": 1, "head_dim": 16,
                                                   "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5,
+                                                     "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                                                     "final_logit_softcapping": 3.0}),
 }
 
 
@@ -141,7 +144,7 @@ def llama(path, kind: str = "llama", *, seed: int = 0, vocab_size: int = 320, hi
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.copy_(1.0 + 0.3 * torch.randn_like(param) if "norm" in name and kind != "gemma"
+                param.copy_(1.0 + 0.3 * torch.randn_like(param) if "norm" in name and not kind.startswith("gemma")
                             else 0.3 * torch.randn_like(param))
     model.save_pretrained(str(path))
     if tokenizer:

@@ -1,5 +1,6 @@
 """Llama-family checkpoints (Llama with Llama-3 RoPE scaling and GQA, tied multi-query Llama, Mistral, Qwen2 with
-qkv biases, Gemma with its (1 + w) norms and scaled embedding): logits equal ``transformers``', per-example gradient
+qkv biases, Gemma with its (1 + w) norms and scaled embedding, Gemma 2 with soft-capping, sandwich norms and
+alternating sliding windows): logits equal ``transformers``', per-example gradient
 norms (traced-program front-end, scanned layers) equal ``torch.func``'s, export round-trips, clear refusals."""
 
 import json
@@ -37,7 +38,7 @@ def test_logits_match_transformers_and_export_round_trips(checkpoints, kind, tmp
     path, torch_model = checkpoints[kind]
     model = dz.models.from_pretrained(path)
     assert isinstance(model, dz.models.Llama) and model.config.scan_layers          # scanned by default
-    assert (model.lm_head is None) == model.config.tie_word_embeddings == (kind in ("llama-tied", "gemma"))
+    assert (model.lm_head is None) == model.config.tie_word_embeddings == (kind in ("llama-tied", "gemma", "gemma2"))
     assert model.layers.mlp.gate_proj.kernel[...].shape == (2, 32, 64)               # stacked on [num_layers]
     ids = hf_helpers.token_batch(320, 3, 20, seed=3)
     expected = logits(torch_model, ids)
@@ -73,7 +74,7 @@ def test_left_padding_mask_and_sliding_window_match_transformers(checkpoints, tm
     assert_close(dz.models.from_pretrained(tmp_path / "mistral")(jnp.asarray(ids, jnp.int32)), expected)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma", "gemma2"])
 def test_per_example_grad_norms_match_torch_func(checkpoints, kind):
     path, torch_model = checkpoints[kind]
     ids = hf_helpers.token_batch(320, 4, 12, seed=6)
@@ -88,8 +89,9 @@ def test_per_example_grad_norms_match_torch_func(checkpoints, kind):
 
 def test_unsupported_llama_family_configs_are_refused(checkpoints, tmp_path):
     path = checkpoints["llama"][0]
-    with pytest.raises(ValueError, match="model_type 'gemma2' .*soft-capping.* is not supported"):
-        dz.models.from_pretrained(_edit_config(path, tmp_path / "g2", model_type="gemma2"))
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        dz.models.from_pretrained(_edit_config(checkpoints["gemma2"][0], tmp_path / "g2",
+                                               layer_types=["sliding_attention", "chunked_attention"]))
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         dz.models.from_pretrained(_edit_config(path, tmp_path / "yarn", rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}))

@@ -162,7 +162,8 @@ def test_bad_hf_options_get_clear_errors(tmp_path, capsys):
     assert "no such checkpoint directory" in capsys.readouterr().err
     hf_helpers.vit(tmp_path / "vit")
     assert main(["train", "--model", f"hf:{tmp_path / 'vit'}", "--task", "causal-lm", *FAST]) == 2
-    assert "task 'causal-lm' needs a gpt2 / llama / mistral / qwen2 / gemma checkpoint" in capsys.readouterr().err
+    wanted = "gpt2 / llama / mistral / qwen2 / gemma / gemma2"
+    assert f"task 'causal-lm' needs a {wanted} checkpoint" in capsys.readouterr().err
     with pytest.raises(ValueError, match="scan_layers applies to decoders only; .* holds a vit checkpoint"):
         dz.models.from_pretrained(tmp_path / "vit", scan_layers=True)
     with pytest.warns(UserWarning, match="afresh .*5 labels, 10 asked for"):   # digits have 10 classes

@@ -1,10 +1,13 @@
-"""A Llama-family decoder (Llama 2 / 3, Mistral, Qwen2, Gemma 1) from standard Flax NNX layers.
+"""A Llama-family decoder (Llama 2 / 3, Mistral, Qwen2, Gemma 1 and 2) from standard Flax NNX layers.
 
 Rotary position embeddings (the checkpoint's scaling: none, ``linear`` or ``llama3``), grouped- / multi-query
 attention through ``jax.nn.dot_product_attention`` (causal, optional sliding window, padding mask as an argument),
 gated MLPs (SwiGLU, or GeGLU for Gemma), RMSNorm (Gemma's ``(1 + w)`` form), tied or untied LM head, Gemma's
-``sqrt(d)``-scaled embedding. The layers are stacked on a leading ``[num_hidden_layers]`` axis and applied with one
-``lax.scan`` by default (``scan_layers``). Built on ``nnx.Linear`` / ``nnx.Embed`` / ``nnx.RMSNorm`` rather than on
+``sqrt(d)``-scaled embedding; Gemma 2's attention and final logit soft-capping, pre/post-FFN norms, alternating
+sliding-window layers (a per-layer flag scanned with the weights, selecting a band mask) and
+``query_pre_attn_scalar`` (soft-capped scores: attention written out, since ``dot_product_attention`` has no cap).
+The layers are stacked on a leading ``[num_hidden_layers]`` axis and applied with one ``lax.scan`` by default
+(``scan_layers``). Built on ``nnx.Linear`` / ``nnx.Embed`` / ``nnx.RMSNorm`` rather than on
 :mod:`dpzero_jax.nn`: its private gradients come from the traced-program front-end, like any model a user brings.
 
 Parameter names follow the Hugging Face module names (``layers/self_attn/q_proj/kernel``, ``layers/mlp/gate_proj``,
@@ -55,6 +58,14 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None        # Mistral: a query attends to the last `sliding_window` positions
     gemma: bool = False                      # Gemma: (1 + w) RMSNorm and embedding scaled by sqrt(hidden_size)
+    # Gemma 2: logits soft-capped as cap * tanh(x / cap), attention scores then the LM head's; the attention scale
+    # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); norms around the attention and the MLP outputs;
+    # per-layer sliding windows (True: the layer uses sliding_window, False: full attention)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sandwich_norms: bool = False
+    sliding_layers: tuple[bool, ...] | None = None
     scan_layers: bool = True
     model_type: str = "llama"                # the Hugging Face model_type written on export
 
@@ -78,6 +89,10 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: rotary embeddings need an even head_dim, got {self.head_size}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"LlamaConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
+        if self.sliding_layers is not None and (len(self.sliding_layers) != self.num_hidden_layers
+                                                or self.sliding_window is None):
+            raise ValueError(f"LlamaConfig.sliding_layers needs sliding_window and one flag per layer "
+                             f"({self.num_hidden_layers}), got {self.sliding_layers!r}")
 
     @property
     def kv_heads(self) -> int:
@@ -131,12 +146,32 @@ def _norm(c: LlamaConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
     return nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, use_fast_variance=False, dtype=dtype, rngs=rngs)
 
 
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _capped_attention(q, k, v, mask, scale: float, cap: float):
+    """Causal attention with soft-capped scores (which ``jax.nn.dot_product_attention`` does not offer):
+    ``q [B, T, H, Dh]``, ``k``, ``v [B, T, K, Dh]``, ``mask`` broadcastable to ``[B, 1, T, T]`` or None."""
+    batch, length, heads, dim = q.shape
+    groups = heads // k.shape[2]
+    q = q.reshape(batch, length, k.shape[2], groups, dim)
+    scores = softcap(jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) * scale, cap)
+    allowed = jnp.tril(jnp.ones((length, length), bool))
+    if mask is not None:
+        allowed = allowed & mask[:, :, None]             # [B, 1, 1, T, T]
+    weights = jax.nn.softmax(jnp.where(allowed, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(batch, length, heads, dim)
+
+
 class LlamaAttention(nnx.Module):
     """``x [B, T, d] -> [B, T, d]``: ``H`` query heads sharing ``K`` key/value heads (``H % K == 0``)."""
 
     def __init__(self, c: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.kv_heads, c.head_size
-        self.window = c.sliding_window
+        self.window = None if c.sliding_layers is not None else c.sliding_window   # per layer: a mask instead
+        self.cap = c.attn_softcap
+        self.scale = (c.query_pre_attn_scalar or c.head_size) ** -0.5
         d, hd = c.hidden_size, c.head_size
         linear = functools.partial(nnx.Linear, dtype=dtype, rngs=rngs)
         self.q_proj = linear(d, self.heads * hd, use_bias=c.qkv_bias)
@@ -150,8 +185,12 @@ class LlamaAttention(nnx.Module):
         k = self.k_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.kv_heads, self.head_dim)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        window = None if self.window is None or self.window >= length else (self.window - 1, 0)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window)
+        if self.cap is not None:
+            out = _capped_attention(q, k, v, mask, self.scale, self.cap)
+        else:
+            window = None if self.window is None or self.window >= length else (self.window - 1, 0)
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=window,
+                                               scale=self.scale)
         return self.o_proj(out.reshape(batch, length, self.heads * self.head_dim))
 
 
@@ -170,15 +209,24 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaLayer(nnx.Module):
-    """A pre-norm decoder layer: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``."""
+    """A pre-norm decoder layer: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``; with ``sandwich_norms`` (Gemma 2)
+    ``x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+    ``+ post_feedforward_layernorm(mlp(pre_feedforward_layernorm(.)))``."""
 
     def __init__(self, c: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.sandwich = c.sandwich_norms
         self.input_layernorm = _norm(c, dtype, rngs)
         self.self_attn = LlamaAttention(c, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = _norm(c, dtype, rngs)
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = _norm(c, dtype, rngs)
+            self.post_feedforward_layernorm = _norm(c, dtype, rngs)
         self.mlp = LlamaMLP(c, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -228,17 +276,30 @@ class Llama(nnx.Module):
                 raise ValueError(f"attention_mask {attention_mask.shape} must have the shape of input_ids "
                                  f"{input_ids.shape}")
             mask = attention_mask.astype(bool)[:, None, None, :]      # [B, 1, 1, T_k]
+        # per-layer windows (Gemma 2): a layer's [T, T] band mask, selected by its flag (scanned with its weights)
+        sliding = jnp.asarray(c.sliding_layers or (False,) * c.num_hidden_layers)
+        offsets = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+        band = offsets < (c.sliding_window or length)
+
+        def layer_mask(slides):
+            if c.sliding_layers is None:
+                return mask
+            local = jnp.where(slides, band, True)[None, None]              # [1, 1, T, T]
+            return local if mask is None else local & mask
+
         if c.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
-            def step(x, layer):
-                return nnx.merge(graphdef, layer)(x, cos, sin, mask), None
-            x = jax.lax.scan(step, x, state)[0]
+            def step(x, layer_and_flag):
+                layer, slides = layer_and_flag
+                return nnx.merge(graphdef, layer)(x, cos, sin, layer_mask(slides)), None
+            x = jax.lax.scan(step, x, (state, sliding))[0]
         else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, mask)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, layer_mask(sliding[i]))
         x = self.norm(x)
-        return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return softcap(logits, c.final_softcap)
 
     @classmethod
     def from_pretrained(cls, path, *, dtype=None, seed: int = 0, scan_layers: bool = True) -> Llama:

@@ -1,7 +1,7 @@
-"""Hugging Face Llama / Mistral / Qwen2 / Gemma checkpoints <-> :class:`~dpzero_jax.models.llama.Llama`.
+"""Hugging Face Llama / Mistral / Qwen2 / Gemma (1, 2) checkpoints <-> :class:`~dpzero_jax.models.llama.Llama`.
 
 :func:`config_from_hf` reads ``config.json`` into a :class:`LlamaConfig`, refusing what the model does not compute
-exactly (other RoPE scalings, MLP biases, Qwen2's per-layer sliding windows, Gemma 2); :func:`entries` maps every
+exactly (other RoPE scalings, MLP biases, Qwen2's per-layer sliding windows); :func:`entries` maps every
 tensor (``nn.Linear`` weights ``[out, in]`` are transposed to kernels ``[in, out]``; names otherwise the same:
 ``model.layers.3.self_attn.q_proj.weight`` -> ``layers/self_attn/q_proj/kernel`` stacked over layers, or
 ``layers/3/self_attn/q_proj/kernel`` unscanned); :func:`hf_config` describes the model for export.
@@ -14,7 +14,8 @@ import numpy as np
 from dpzero_jax.models.llama import ACTIVATIONS, LlamaConfig
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gemma": "GemmaForCausalLM"}
+               "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+GEMMAS = ("gemma", "gemma2")
 
 
 def _refuse(config: dict, key: str, supported, what: str) -> None:
@@ -45,16 +46,13 @@ def _rope(c: dict) -> dict:
 
 def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
     model_type = c.get("model_type")
-    if model_type == "gemma2":
-        raise ValueError("config.json: model_type 'gemma2' (logit soft-capping, alternating sliding windows, pre/post "
-                         "FFN norms) is not supported; Gemma 1 ('gemma') is")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json: model_type {model_type!r} is not a Llama-family model ({tuple(MODEL_TYPES)})")
     _refuse(c, "mlp_bias", False, "biases in the MLP")
     _refuse(c, "pretraining_tp", 1, "tensor-parallel slicing of the projections")
     _refuse(c, "use_bidirectional_attention", None, "bidirectional attention")
     act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
-    if model_type == "gemma" and c.get("hidden_activation"):
+    if model_type in GEMMAS and c.get("hidden_activation"):
         act = c["hidden_activation"]
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (one of {tuple(ACTIVATIONS)})")
@@ -65,6 +63,18 @@ def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
         raise ValueError("config.json: use_sliding_window=True (Qwen2's sliding window on some layers) is not "
                          "supported; only use_sliding_window=False")
     attention_bias = bool(c.get("attention_bias", False))
+    gemma2 = {}
+    if model_type == "gemma2":
+        window = c.get("sliding_window")
+        kinds = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(c["num_hidden_layers"])]
+        unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"config.json: layer_types {unknown} are not supported (only sliding_attention, "
+                             f"full_attention)")
+        gemma2 = {"attn_softcap": c.get("attn_logit_softcapping"), "final_softcap": c.get("final_logit_softcapping"),
+                  "query_pre_attn_scalar": c.get("query_pre_attn_scalar", 256), "sandwich_norms": True,
+                  "sliding_layers": tuple(k == "sliding_attention" for k in kinds) if window else None}
     return LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
         num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
@@ -72,8 +82,8 @@ def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), **_rope(c), hidden_act=act,
         qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", model_type == "gemma")), sliding_window=window,
-        gemma=model_type == "gemma", scan_layers=scan_layers, model_type=model_type)
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", model_type in GEMMAS)), sliding_window=window,
+        gemma=model_type in GEMMAS, scan_layers=scan_layers, model_type=model_type, **gemma2)
 
 
 def hf_config(c: LlamaConfig) -> dict:
@@ -93,14 +103,19 @@ def hf_config(c: LlamaConfig) -> dict:
            "tie_word_embeddings": c.tie_word_embeddings}
     if c.rope_type != "default":
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if c.model_type in ("llama", "gemma"):
+    if c.model_type in ("llama", *GEMMAS):
         out["attention_bias"] = c.o_bias
     if c.model_type == "llama":
         out["mlp_bias"] = False
-    if c.model_type == "mistral":
+    if c.model_type in ("mistral", "gemma2"):
         out["sliding_window"] = c.sliding_window
-    if c.model_type == "gemma":
+    if c.model_type in GEMMAS:
         out["hidden_activation"] = c.hidden_act
+    if c.model_type == "gemma2":
+        out.update(attn_logit_softcapping=c.attn_softcap, final_logit_softcapping=c.final_softcap,
+                   query_pre_attn_scalar=c.query_pre_attn_scalar)
+        if c.sliding_layers is not None:
+            out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in c.sliding_layers]
     return out
 
 
@@ -113,8 +128,9 @@ def entries(c: LlamaConfig, prefix: str = "model."):
         return out + ([_same(f"{path}/bias", f"{name}.bias")] if bias else [])
 
     def layer(h, o):
-        out = [_same(f"{o}/input_layernorm/scale", f"{h}.input_layernorm.weight"),
-               _same(f"{o}/post_attention_layernorm/scale", f"{h}.post_attention_layernorm.weight")]
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if c.sandwich_norms else []
+        out = [_same(f"{o}/{n}/scale", f"{h}.{n}.weight") for n in norms]
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out += linear(f"{o}/self_attn/{proj}", f"{h}.self_attn.{proj}", c.o_bias if proj == "o_proj"
                           else c.qkv_bias)

@@ -46,7 +46,8 @@ from dpzero_jax.models.vit import ViT, ViTConfig
 
 SUPPORTED = {"gpt2": GPT2, "bert": BertEncoder, "roberta": BertEncoder, "vit": ViT,
              **{name: Llama for name in llama_hf.MODEL_TYPES}}
-ARCHITECTURES = "gpt2 (GPT2LMHeadModel, GPT2Model), llama / mistral / qwen2 / gemma (*ForCausalLM, *Model), " \
+ARCHITECTURES = "gpt2 (GPT2LMHeadModel, GPT2Model), llama / mistral / qwen2 / gemma / gemma2 (*ForCausalLM, " \
+                "*Model), " \
                 "bert / roberta (*ForSequenceClassification, *Model), vit (ViTForImageClassification, ViTModel)"
 CAUSAL_LM = ("gpt2", *llama_hf.MODEL_TYPES)   # the model_types that --task causal-lm loads
 # tensors that are not weights (causal-mask buffers of old GPT-2 checkpoints, position-id buffers)
@@ -358,8 +359,6 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
          scan_layers: bool | None = None):
     hf_config = hf.read_config(path)
     model_type = hf_config.get("model_type")
-    if model_type == "gemma2":
-        llama_hf.config_from_hf(hf_config)   # raises: what Gemma 2 needs and the model lacks
     if model_type not in SUPPORTED:
         raise ValueError(f"{Path(path) / hf.CONFIG}: model_type {model_type!r} is not supported; supported "
                          f"architectures: {ARCHITECTURES}")
