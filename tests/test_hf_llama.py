@@ -116,6 +116,15 @@ def test_lora_default_targets_are_the_seven_projections(checkpoints):
     ids = jnp.asarray(hf_helpers.token_batch(320, 2, 8, seed=8), jnp.int32)
     np.testing.assert_allclose(np.asarray(lora(ids)), np.asarray(model(ids)), rtol=1e-6)   # B starts at zero
 
+    # adapters moved off zero: per-example norms (traced program, scan) equal jax.vmap(jax.grad)'s
+    params, loss_fn = dz.models.lm_objective(lora, trainable=trainable)
+    params = jax.tree.map(lambda p: p + 0.05, params)
+    batch = {"input_ids": ids}
+    grads = ref.per_example_grads(loss_fn, params, batch)
+    expected = np.sqrt(sum(np.sum(np.asarray(g).reshape(2, -1) ** 2, axis=1) for g in grads.values()))
+    norms = ref.jit(lambda p, b: dz.per_example_grad_norms(loss_fn, p, b))(params, batch)
+    np.testing.assert_allclose(np.asarray(norms), expected, rtol=1e-5)
+
 
 def test_sharded_checkpoints_load_and_export(checkpoints, tmp_path):
     path, torch_model = checkpoints["qwen2"]
