@@ -100,6 +100,26 @@ def test_cli_lora_fine_tune_of_llama_reduces_held_out_loss(tmp_path):
     print(f"held-out loss by transformers: {before:.3f} -> {after:.3f}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gemma", "gemma2"])
+def test_cli_full_fine_tune_of_gemma_exports_what_it_trained(tmp_path, kind):
+    """Full fine-tuning (every parameter, the tied embedding included) of a scanned Gemma / Gemma 2 through the CLI:
+    ``transformers`` computes on the export the held-out loss the trainer reported, and it went down."""
+    ckpt = tmp_path / kind
+    original = hf_helpers.llama(ckpt, kind)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(hf_helpers.corpus_sample(20_000)))
+    assert main(["train", "--model", f"hf:{ckpt}", "--task", "causal-lm", "--data", str(corpus), "--max-length",
+                 "32", "--steps", "8", "--batch-size", "32", "--lr", "3e-3", "--epsilon", "3", "--eval-every", "8",
+                 "--out", str(tmp_path / "run"), "--export", str(tmp_path / "export"), *FAST]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    _, held_out, _ = dz.text.load_text_dataset(dz.text.load_tokenizer(ckpt), task="causal-lm", max_length=32,
+                                               pad_id=0, vocab_size=320, data=str(corpus))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert torch_lm_loss(exported, held_out) == pytest.approx(summary["test_loss"], rel=1e-4)
+    assert summary["test_loss"] < torch_lm_loss(original, held_out)
+
+
 def test_text_classification_lora_bf16_on_two_devices(tmp_path):
     ckpt = tmp_path / "bert"
     original = hf_helpers.bert(ckpt, num_labels=2, layers=1)
