@@ -99,6 +99,8 @@ def test_unsupported_llama_family_configs_are_refused(checkpoints, tmp_path):
         dz.models.from_pretrained(_edit_config(path, tmp_path / "mlpb", mlp_bias=True))
     with pytest.raises(ValueError, match="use_sliding_window=True"):
         dz.models.from_pretrained(_edit_config(checkpoints["qwen2"][0], tmp_path / "qsw", use_sliding_window=True))
+    legacy = dz.models.from_pretrained(_edit_config(checkpoints["gemma"][0], tmp_path / "legacy", hidden_act="gelu"))
+    assert legacy.config.hidden_act == "gelu_pytorch_tanh"     # Gemma's legacy "gelu" means the tanh GELU
     with pytest.raises(ValueError, match="causal language model: num_labels"):
         dz.models.from_pretrained(path, num_labels=3)
 

@@ -54,6 +54,8 @@ def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
     act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
     if model_type in GEMMAS and c.get("hidden_activation"):
         act = c["hidden_activation"]
+    if model_type in GEMMAS and act == "gelu":   # Gemma's legacy value, meant as the tanh GELU (transformers agrees)
+        act = "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (one of {tuple(ACTIVATIONS)})")
     window = None
