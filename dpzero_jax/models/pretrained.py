@@ -46,8 +46,7 @@ from dpzero_jax.models.vit import ViT, ViTConfig
 
 SUPPORTED = {"gpt2": GPT2, "bert": BertEncoder, "roberta": BertEncoder, "vit": ViT,
              **{name: Llama for name in llama_hf.MODEL_TYPES}}
-ARCHITECTURES = "gpt2 (GPT2LMHeadModel, GPT2Model), llama / mistral / qwen2 / gemma / gemma2 (*ForCausalLM, " \
-                "*Model), " \
+ARCHITECTURES = "gpt2 (GPT2LMHeadModel, GPT2Model), llama / mistral / qwen2 / gemma / gemma2 (*ForCausalLM), " \
                 "bert / roberta (*ForSequenceClassification, *Model), vit (ViTForImageClassification, ViTModel)"
 CAUSAL_LM = ("gpt2", *llama_hf.MODEL_TYPES)   # the model_types that --task causal-lm loads
 # tensors that are not weights (causal-mask buffers of old GPT-2 checkpoints, position-id buffers)
