@@ -143,8 +143,8 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
 
     train.add_argument("--config", help="JSON or YAML file of TrainConfig options (flags override it)")
     train.add_argument("--model", type=_model,
-                       help="mlp, vit, cnn, or hf:PATH (a Hugging Face save_pretrained directory: GPT-2, BERT, "
-                            "RoBERTa, ViT)")
+                       help="mlp, vit, cnn, or hf:PATH (a Hugging Face save_pretrained directory: GPT-2, Llama, "
+                            "Mistral, Qwen2, Gemma 1 / 2, BERT, RoBERTa, ViT)")
     train.add_argument("--task", choices=("classification", "causal-lm"),
                        help="classification (default) or causal-lm (hf:PATH GPT-2 checkpoints)")
     train.add_argument("--data", help="text data for hf:PATH models: a .txt (causal-lm: one corpus cut into "

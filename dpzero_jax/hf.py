@@ -106,14 +106,42 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
         raise ValueError(f"{file}: cannot read safetensors ({type(error).__name__}: {error})") from None
 
 
-def write_checkpoint(path, config: dict, tensors: dict[str, np.ndarray]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (metadata ``format: pt``, as ``transformers`` expects)."""
+MAX_SHARD_BYTES = 5 << 30   # shards of at most 5 GiB (a tensor larger than that gets a shard of its own)
+
+
+def write_checkpoint(path, config: dict, tensors: dict[str, np.ndarray], *,
+                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (metadata ``format: pt``, as ``transformers`` expects), or,
+    when the tensors pass ``max_shard_bytes``, shards ``model-00001-of-0000N.safetensors`` (tensors in order, each
+    shard filled up to ``max_shard_bytes``) with ``model.safetensors.index.json``, as ``save_pretrained`` does. The
+    other form's file, left by an earlier export to the same directory, is removed (it would shadow this one)."""
     from safetensors.numpy import save_file
 
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     directory = Path(path).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     arrays = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
-    save_file(arrays, str(directory / SAFETENSORS), metadata={"format": "pt"})
+    total = sum(a.nbytes for a in arrays.values())
+    if total <= max_shard_bytes:
+        (directory / SAFETENSORS_INDEX).unlink(missing_ok=True)
+        save_file(arrays, str(directory / SAFETENSORS), metadata={"format": "pt"})
+    else:
+        shards, size = [{}], 0
+        for name, array in arrays.items():
+            if shards[-1] and size + array.nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = array
+            size += array.nbytes
+        (directory / SAFETENSORS).unlink(missing_ok=True)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 

@@ -52,14 +52,15 @@ class DenseGeneral(nnx.Module):
         return ops.dense(x, self.kernel[...], bias, n_in=len(self.in_shape))
 
 
-def dense_shapes(layer: Linear | DenseGeneral) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(in_shape, out_shape)`` of a dense layer as declared (without the leading axes of a stacked layer)."""
-    if isinstance(layer, Linear):
+def dense_shapes(layer: Linear | DenseGeneral | nnx.Linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(in_shape, out_shape)`` of a dense layer as declared (without the leading axes of a stacked layer); also
+    Flax's own ``nnx.Linear``."""
+    if isinstance(layer, (Linear, nnx.Linear)):
         return (layer.in_features,), (layer.out_features,)
     return tuple(layer.in_shape), tuple(layer.out_shape)
 
 
-def stacked_axes(layer: Linear | DenseGeneral) -> tuple[int, ...]:
+def stacked_axes(layer: Linear | DenseGeneral | nnx.Linear) -> tuple[int, ...]:
     """The leading axes of a stacked layer's kernel ``[*S, *in, *out]`` (layers created under ``nnx.vmap`` to be
     scanned), else ``()``; also on abstract (``nnx.eval_shape``) models."""
     in_shape, out_shape = dense_shapes(layer)

@@ -46,11 +46,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpzero_jax import nn
-from dpzero_jax.models import transformer
+from dpzero_jax.models import llama, transformer
 
 METHODS = ("full", "lora", "bitfit", "linear-probe")
 DEFAULT_HEAD = "head|lm_head"
-DENSE_TYPES = (nn.Linear, nn.DenseGeneral)
+DENSE_TYPES = (nn.Linear, nn.DenseGeneral, nnx.Linear)
 
 Path = tuple  # an NNX path: a tuple of attribute names (str) and list indices (int)
 
@@ -82,7 +82,7 @@ class LoRA(nnx.Module):
     leading axes of a stacked base kernel ``[*S, *in, *out]`` in front: ``[*S, *in, rank]``, ``[*S, rank, *out]``).
     """
 
-    def __init__(self, base: nn.Linear | nn.DenseGeneral, *, rank: int, alpha: float, key: jax.Array):
+    def __init__(self, base: nn.Linear | nn.DenseGeneral | nnx.Linear, *, rank: int, alpha: float, key: jax.Array):
         in_shape, out_shape = nn.dense_shapes(base)
         self.base = base
         self.rank, self.alpha, self.scale = rank, float(alpha), float(alpha) / rank
@@ -149,7 +149,7 @@ def default_lora_targets(model: nnx.Module) -> list[Path]:
     """The dense layers of the transformer blocks' attention and MLP if the model has any, else every dense layer."""
     modules = {tuple(path): module for path, module in nnx.iter_modules(model)}
     dense = [p for p, m in modules.items() if isinstance(m, DENSE_TYPES)]
-    blocks = (transformer.Attention, transformer.MLP)
+    blocks = (transformer.Attention, transformer.MLP, llama.LlamaAttention, llama.LlamaMLP)
     in_blocks = [p for p in dense if any(isinstance(modules.get(p[:k]), blocks) for k in range(len(p)))]
     return sorted(in_blocks or dense, key=path_name)
 
@@ -188,7 +188,8 @@ def add_lora(model: nnx.Module, *, rank: int, alpha: float, key: jax.Array,
     if targets is None:
         chosen = default_lora_targets(model)
         if not chosen:
-            raise ValueError("peft: the model has no dense layer (dpzero_jax.nn.Linear / DenseGeneral) for LoRA")
+            raise ValueError("peft: the model has no dense layer (dpzero_jax.nn.Linear / DenseGeneral, nnx.Linear) "
+                             "for LoRA")
     else:
         chosen = _select(list(dense), _as_patterns(targets, "LoRA target"), "LoRA target", "dense layer")
     chosen = sorted(chosen, key=path_name)

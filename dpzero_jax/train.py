@@ -58,6 +58,7 @@ from dpzero_jax import (
     validation,
 )
 from dpzero_jax import checkpoints as ckpt
+from dpzero_jax import nn as dz_nn
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
@@ -129,8 +130,9 @@ class TrainConfig:
     can round up). Fresh sketches every step (:func:`rmm_step_key`). Not with ``strategy="explicit"``.
     ``rmm_diagnostics_every``: every that many steps, paper 002's D2_SGD, D2_RMM and alpha of each RMM layer on the
     step's batch go into ``metrics.jsonl`` (0: never).
-    ``model="hf:PATH"``: a Hugging Face checkpoint directory (:mod:`dpzero_jax.models.pretrained`): GPT-2 for
-    ``task="causal-lm"``; BERT / RoBERTa (text) or ViT (the image ``dataset``) for ``task="classification"``.
+    ``model="hf:PATH"``: a Hugging Face checkpoint directory (:mod:`dpzero_jax.models.pretrained`): GPT-2 or a
+    Llama-family model (Llama, Mistral, Qwen2, Gemma 1 / 2) for ``task="causal-lm"``; BERT / RoBERTa (text) or ViT (the
+    image ``dataset``) for ``task="classification"``.
     Text: ``data`` (a ``.txt`` or ``.jsonl`` file; None: the embedded corpus, :mod:`dpzero_jax.text`),
     ``eval_data`` (None: a fixed 10% of ``data`` held out), ``max_length`` tokens per example (None: the model's
     positions, at most 128), ``text_field`` / ``label_field`` of the JSONL records, ``tokenizer`` (a directory;
@@ -138,7 +140,8 @@ class TrainConfig:
     where the trained model is written in ``save_pretrained`` format at the end (LoRA folded in).
     ``out`` / ``export``: local paths or ``gs://`` / ``s3://`` / ``az://`` / ``hf://`` URLs (:mod:`dpzero_jax.rundir`).
     ``scan_layers`` (``task="causal-lm"``): the GPT-2 blocks stacked and scanned (``GPT2Config.scan_layers``): one
-    block in the compiled step at any depth, the private gradient from the traced-program front-end.
+    block in the compiled step at any depth, the private gradient from the traced-program front-end. Llama-family
+    models are scanned whatever this says (``LlamaConfig.scan_layers`` defaults to True).
     """
 
     model: str = "mlp"
@@ -224,7 +227,8 @@ class TrainConfig:
         if self.task not in TASKS:
             fail("task", f"one of {TASKS}", self.task)
         if self.task == "causal-lm" and not self.model.startswith("hf:"):
-            raise ValueError("TrainConfig.task='causal-lm' needs model='hf:PATH' (a GPT-2 checkpoint directory)")
+            raise ValueError("TrainConfig.task='causal-lm' needs model='hf:PATH' (a GPT-2 or Llama-family "
+                             "checkpoint directory)")
         for name in ("data", "eval_data", "tokenizer"):
             value = getattr(self, name)
             if value is not None and (not self.model.startswith("hf:") or not isinstance(value, str) or not value):
@@ -234,7 +238,7 @@ class TrainConfig:
         if not isinstance(self.scan_layers, bool):
             fail("scan_layers", "a bool", self.scan_layers)
         if self.scan_layers and self.task != "causal-lm":
-            raise ValueError("TrainConfig.scan_layers applies to GPT-2 (task='causal-lm', model='hf:PATH'), not "
+            raise ValueError("TrainConfig.scan_layers applies to decoders (task='causal-lm', model='hf:PATH'), not "
                              f"task={self.task!r}")
         if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 2):
             fail("max_length", "an integer >= 2 or None", self.max_length)
@@ -491,7 +495,7 @@ def _load_data(cfg: TrainConfig):
     if model_type not in models.pretrained.SUPPORTED:
         raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported architectures: "
                          f"{models.pretrained.ARCHITECTURES}")
-    wanted = ("gpt2",) if cfg.task == "causal-lm" else ("bert", "roberta", "vit")
+    wanted = models.pretrained.CAUSAL_LM if cfg.task == "causal-lm" else ("bert", "roberta", "vit")
     if model_type not in wanted:
         raise ValueError(f"task {cfg.task!r} needs a {' / '.join(wanted)} checkpoint, but {path} holds "
                          f"model_type {model_type!r}")
@@ -499,8 +503,12 @@ def _load_data(cfg: TrainConfig):
         if cfg.data is not None or cfg.eval_data is not None:
             raise ValueError("a ViT checkpoint trains on the image dataset (--dataset), not on a text data file")
         return (*load_dataset(cfg.dataset, seed=0), None)
-    positions = hf_config.get("n_positions", 1024) if model_type == "gpt2" else \
-        models.pretrained.bert_max_length(hf_config, model_type)
+    if model_type == "gpt2":
+        positions = hf_config.get("n_positions", 1024)
+    elif cfg.task == "causal-lm":
+        positions = hf_config.get("max_position_embeddings", 2048)
+    else:
+        positions = models.pretrained.bert_max_length(hf_config, model_type)
     max_length = cfg.max_length if cfg.max_length is not None else min(128, positions)
     if max_length > positions:
         raise ValueError(f"max_length={max_length} exceeds the {positions} positions of the checkpoint in {path}")
@@ -572,9 +580,10 @@ def _apply_rmm(cfg: TrainConfig, model: nnx.Module, trainable: peft.Trainable) -
         return path != "head" and not path.startswith("head/") and f"{path}/kernel" in trained
 
     if not any(where(peft.path_name(path), m) for path, m in nnx.iter_modules(model)
-               if isinstance(m, peft.DENSE_TYPES)):
-        raise ValueError(f"TrainConfig.rmm={cfg.rmm!r}: no dense layer besides the head has a trainable kernel "
-                         f"(peft={cfg.peft!r}), so there is nothing to convert")
+               if isinstance(m, (dz_nn.Linear, dz_nn.DenseGeneral))):   # what convert_to_rmm converts
+        raise ValueError(f"TrainConfig.rmm={cfg.rmm!r}: no dpzero_jax.nn dense layer besides the head has a trainable "
+                         f"kernel (peft={cfg.peft!r}; Flax's nnx.Linear, as in Llama, is not converted), so there is "
+                         f"nothing to convert")
     if cfg.model == "mlp" and not cfg.no_dp:
         warnings.warn("rmm under DP compresses each example's tokens, and the MLP's dense layers see one per "
                       "example: B_proj = 1 keeps the whole input (no memory saved), the orthogonal and Rademacher "

@@ -109,3 +109,44 @@ def write_jsonl(path: Path, records) -> Path:
 
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+LLAMA_FAMILY = {   # model_type -> (config class, model class, extra config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": False,
+                                                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                   "original_max_position_embeddings": 16}}),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"num_key_value_heads": 1, "head_dim": 16,
+                                                  "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5,
+                                                     "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                                                     "final_logit_softcapping": 3.0}),
+}
+
+
+def llama(path, kind: str = "llama", *, seed: int = 0, vocab_size: int = 320, hidden: int = 32, layers: int = 2,
+          tokenizer: bool = True, **overrides):
+    """A tiny Llama-family checkpoint (``kind`` one of :data:`LLAMA_FAMILY`): 4 query heads, grouped- or multi-query
+    key/value heads, random non-zero norm weights and biases (so that a wrong norm form or a dropped bias shows)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = LLAMA_FAMILY[kind]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, max_position_embeddings=64, initializer_range=INIT_RANGE, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, attn_implementation="eager", **{**extra, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param) if "norm" in name and not kind.startswith("gemma")
+                            else 0.3 * torch.randn_like(param))
+    model.save_pretrained(str(path))
+    if tokenizer:
+        save_gpt2_tokenizer(path, vocab_size)
+    return model

@@ -245,8 +245,8 @@ def test_bad_checkpoints_get_clear_errors(checkpoints, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         dz.models.from_pretrained(tmp_path / "empty")
-    with pytest.raises(ValueError, match="model_type 'llama' is not supported; supported architectures: gpt2"):
-        dz.models.from_pretrained(_edit_config(gpt2_path, tmp_path / "llama", model_type="llama"))
+    with pytest.raises(ValueError, match="model_type 't5' is not supported; supported architectures: gpt2"):
+        dz.models.from_pretrained(_edit_config(gpt2_path, tmp_path / "t5", model_type="t5"))
     with pytest.raises(ValueError, match=r"shape mismatch: transformer.wte.weight \(320, 32\) .* wte/embedding"):
         dz.models.from_pretrained(_edit_config(gpt2_path, tmp_path / "wide", vocab_size=400))
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx=True"):

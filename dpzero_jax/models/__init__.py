@@ -1,17 +1,20 @@
-"""Models built only from DP layers, a CNN from standard Flax NNX layers (``CNN``), and per-example objectives.
+"""Models built only from DP layers, a CNN and the Llama family from standard Flax NNX layers (``CNN``, ``Llama``),
+and per-example objectives.
 
-``from_pretrained(path)`` loads a Hugging Face checkpoint directory as the matching model (GPT-2, BERT / RoBERTa,
-ViT); each of those models also has ``from_pretrained`` and ``save_pretrained``.
+``from_pretrained(path)`` loads a Hugging Face checkpoint directory as the matching model (GPT-2, Llama / Mistral /
+Qwen2 / Gemma, BERT / RoBERTa, ViT); each of those models also has ``from_pretrained`` and ``save_pretrained``.
 """
 
 from dpzero_jax.models.bert import BertConfig, BertEncoder
 from dpzero_jax.models.cnn import CNN, CNNConfig
 from dpzero_jax.models.encoder import Encoder, EncoderConfig
 from dpzero_jax.models.gpt2 import GPT2, GPT2Config
+from dpzero_jax.models.llama import Llama, LlamaConfig
 from dpzero_jax.models.mlp import MLP, MLPConfig
 from dpzero_jax.models.objectives import classification_objective, lm_objective, logits_fn
 from dpzero_jax.models.pretrained import from_pretrained
 from dpzero_jax.models.vit import ViT, ViTConfig
 
-__all__ = ["BertConfig", "BertEncoder", "CNN", "CNNConfig", "Encoder", "EncoderConfig", "GPT2", "GPT2Config", "MLP",
+__all__ = ["BertConfig", "BertEncoder", "CNN", "CNNConfig", "Encoder", "EncoderConfig", "GPT2", "GPT2Config", "Llama",
+           "LlamaConfig", "MLP",
            "MLPConfig", "ViT", "ViTConfig", "classification_objective", "from_pretrained", "lm_objective", "logits_fn"]

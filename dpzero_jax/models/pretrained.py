@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints <-> the models of this package (GPT-2, BERT / RoBERTa, ViT), without torch.
+"""Hugging Face checkpoints <-> the models of this package (GPT-2, Llama / Mistral / Qwen2 / Gemma, BERT / RoBERTa,
+ViT), without torch. The Llama family's table and config checks are in :mod:`dpzero_jax.models.llama_hf`.
 
 :func:`from_pretrained` reads a ``save_pretrained`` directory (:mod:`dpzero_jax.hf`), checks that ``config.json``
 describes something these models compute exactly, maps every tensor onto a parameter (layouts below) and returns
@@ -37,15 +38,19 @@ import numpy as np
 from flax import nnx
 
 from dpzero_jax import hf
+from dpzero_jax.models import llama_hf
 from dpzero_jax.models.bert import BertConfig, BertEncoder
 from dpzero_jax.models.gpt2 import GELUS, GPT2, GPT2Config
+from dpzero_jax.models.llama import Llama
 from dpzero_jax.models.vit import ViT, ViTConfig
 
-SUPPORTED = {"gpt2": GPT2, "bert": BertEncoder, "roberta": BertEncoder, "vit": ViT}
-ARCHITECTURES = "gpt2 (GPT2LMHeadModel, GPT2Model), bert / roberta (*ForSequenceClassification, *Model), " \
-                "vit (ViTForImageClassification, ViTModel)"
+SUPPORTED = {"gpt2": GPT2, "bert": BertEncoder, "roberta": BertEncoder, "vit": ViT,
+             **{name: Llama for name in llama_hf.MODEL_TYPES}}
+ARCHITECTURES = "gpt2 (GPT2LMHeadModel, GPT2Model), llama / mistral / qwen2 / gemma / gemma2 (*ForCausalLM), " \
+                "bert / roberta (*ForSequenceClassification, *Model), vit (ViTForImageClassification, ViTModel)"
+CAUSAL_LM = ("gpt2", *llama_hf.MODEL_TYPES)   # the model_types that --task causal-lm loads
 # tensors that are not weights (causal-mask buffers of old GPT-2 checkpoints, position-id buffers)
-_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids)$")
+_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids|rotary_emb\.inv_freq)$")
 
 __all__ = ["from_pretrained", "save", "SUPPORTED"]
 
@@ -337,18 +342,20 @@ def _labels(hf_config: dict, num_labels: int, id2label) -> None:
 
 
 def from_pretrained(path, *, num_labels: int | None = None, id2label=None, dtype=None, seed: int = 0,
-                    scan_layers: bool = False):
+                    scan_layers: bool | None = None):
     """The model of a Hugging Face ``save_pretrained`` directory: :class:`~dpzero_jax.models.GPT2`,
     :class:`~dpzero_jax.models.BertEncoder` (BERT, RoBERTa) or :class:`~dpzero_jax.models.ViT`, by ``model_type``.
 
     ``num_labels`` / ``id2label`` (encoders and ViT): the classes of the head; a head of another size, or missing, is
     initialised afresh from ``seed``. ``dtype``: activation compute dtype (GPT-2, BERT). Weights are fp32.
-    ``scan_layers`` (GPT-2): blocks stacked and scanned (:class:`~dpzero_jax.models.GPT2Config`).
+    ``scan_layers`` (decoders): blocks stacked and scanned; ``None``: the model's default (GPT-2: unrolled,
+    :class:`~dpzero_jax.models.Llama` and its family -- Llama, Mistral, Qwen2, Gemma -- scanned).
     """
     return load(path, num_labels=num_labels, id2label=id2label, dtype=dtype, seed=seed, scan_layers=scan_layers)
 
 
-def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed: int = 0, scan_layers: bool = False):
+def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed: int = 0,
+         scan_layers: bool | None = None):
     hf_config = hf.read_config(path)
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED:
@@ -363,16 +370,19 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
         raise ValueError(f"num_labels must be a positive int, got {num_labels!r}")
     state = _normalise(hf.read_state_dict(path))
     reinit_head, checkpoint_labels = False, None
-    if cls is GPT2:
-        if num_labels is not None or id2label is not None:
-            raise ValueError("GPT-2 is loaded as a causal language model (GPT2LMHeadModel): num_labels and "
-                             "id2label do not apply")
-        config = _gpt2_config(hf_config, scan_layers)
+    if cls in (GPT2, Llama) and (num_labels is not None or id2label is not None):
+        raise ValueError(f"{model_type} is loaded as a causal language model: num_labels and id2label do not apply")
+    if cls is Llama:
+        config = llama_hf.config_from_hf(hf_config, True if scan_layers is None else scan_layers)
+        entries = llama_hf.entries(config, _prefix(state, ("model.",)))
+        build = functools.partial(Llama, config, dtype=dtype)
+    elif cls is GPT2:
+        config = _gpt2_config(hf_config, bool(scan_layers))
         entries = _gpt2_entries(config, _prefix(state, ("transformer.",)))
         build = functools.partial(GPT2, config, dtype=dtype)
     else:
         if scan_layers:
-            raise ValueError(f"scan_layers applies to GPT-2 only; {path} holds a {model_type} checkpoint")
+            raise ValueError(f"scan_layers applies to decoders only; {path} holds a {model_type} checkpoint")
         checkpoint_labels = _checkpoint_labels(hf_config)
         if num_labels is None:
             num_labels = len(id2label) if id2label is not None else checkpoint_labels
@@ -420,7 +430,7 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
         listing = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"{path}: the checkpoint lacks tensors a {model_type} model with this config.json needs: "
                          f"{listing}")
-    if cls is GPT2 and config.tie_word_embeddings and "lm_head.weight" in state:
+    if cls in (GPT2, Llama) and config.tie_word_embeddings and "lm_head.weight" in state:
         used.add("lm_head.weight")  # tied: the head is the word embedding (transformers ignores this copy too)
     unused = sorted(n for n in state if n not in used and not _BUFFERS.search(n))
     if unused:
@@ -442,18 +452,22 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
 
 
 # ---------------------------------------------------------------- export
-def save(model: nnx.Module, path):
+def save(model: nnx.Module, path, *, max_shard_bytes: int = hf.MAX_SHARD_BYTES):
     """Write ``model`` (GPT2, BertEncoder or ViT; LoRA adapters folded in) as a ``transformers`` checkpoint.
 
     ``path``: a local directory (returned as a ``pathlib.Path``) or a ``gs://`` / ``s3://`` ... URL (returned as an
     ``etils.epath.Path``): the checkpoint is then written to a local temporary directory and its files streamed
-    there (:func:`dpzero_jax.rundir.upload_directory`)."""
+    there (:func:`dpzero_jax.rundir.upload_directory`). Past ``max_shard_bytes`` the weights are written in shards
+    with an index (:func:`dpzero_jax.hf.write_checkpoint`)."""
     from dpzero_jax import peft, rundir
 
     model = peft.merge_lora(model)
     if isinstance(model, GPT2):
         c = model.config
         entries, derived = _gpt2_entries(c, "transformer."), _gpt2_hf_config(c)
+    elif isinstance(model, Llama):
+        c = model.config
+        entries, derived = llama_hf.entries(c), llama_hf.hf_config(c)
     elif isinstance(model, BertEncoder):
         c = model.config
         entries, derived = _bert_entries(c, f"{c.model_type}."), _bert_hf_config(c)
@@ -463,10 +477,10 @@ def save(model: nnx.Module, path):
         entries, derived = _vit_entries(c, "vit."), _vit_hf_config(c)
         num_labels = c.num_classes
     else:
-        raise TypeError(f"save_pretrained supports GPT2, BertEncoder and ViT, not {type(model).__name__}")
+        raise TypeError(f"save_pretrained supports GPT2, Llama, BertEncoder and ViT, not {type(model).__name__}")
     hf_config = json.loads(model.hf_config) if getattr(model, "hf_config", None) else {}
     hf_config.update(derived)
-    if not isinstance(model, GPT2):
+    if not isinstance(model, (GPT2, Llama)):
         _labels(hf_config, num_labels, None)
     hf_config.pop("torch_dtype", None)
     hf_config["dtype"] = "float32"
@@ -478,9 +492,9 @@ def save(model: nnx.Module, path):
     for entry in entries:
         tensors.update(zip(entry.names, entry.to_hf(values[entry.path]), strict=True))
     if not rundir.is_remote(path):
-        return hf.write_checkpoint(path, hf_config, tensors)
+        return hf.write_checkpoint(path, hf_config, tensors, max_shard_bytes=max_shard_bytes)
     with tempfile.TemporaryDirectory(prefix="dpzero-export-") as local:
-        hf.write_checkpoint(local, hf_config, tensors)
+        hf.write_checkpoint(local, hf_config, tensors, max_shard_bytes=max_shard_bytes)
         return rundir.upload_directory(Path(local), path)
 
 

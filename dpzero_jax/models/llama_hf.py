@@ -1,0 +1,153 @@
+"""Hugging Face Llama / Mistral / Qwen2 / Gemma (1, 2) checkpoints <-> :class:`~dpzero_jax.models.llama.Llama`.
+
+:func:`config_from_hf` reads ``config.json`` into a :class:`LlamaConfig`, refusing what the model does not compute
+exactly (other RoPE scalings, MLP biases, Qwen2's per-layer sliding windows); :func:`entries` maps every
+tensor (``nn.Linear`` weights ``[out, in]`` are transposed to kernels ``[in, out]``; names otherwise the same:
+``model.layers.3.self_attn.q_proj.weight`` -> ``layers/self_attn/q_proj/kernel`` stacked over layers, or
+``layers/3/self_attn/q_proj/kernel`` unscanned); :func:`hf_config` describes the model for export.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpzero_jax.models.llama import ACTIVATIONS, LlamaConfig
+
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+GEMMAS = ("gemma", "gemma2")
+
+
+def _refuse(config: dict, key: str, supported, what: str) -> None:
+    value = config.get(key, supported)
+    if value != supported:
+        raise ValueError(f"config.json: {key}={value!r} ({what}) is not supported; only {key}={supported!r}")
+
+
+def _rope(c: dict) -> dict:
+    """The RoPE parameters of either config layout: ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (earlier)."""
+    params = dict(c.get("rope_parameters") or {})
+    if not params:
+        params = dict(c.get("rope_scaling") or {})
+        params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"config.json: rope_type {kind!r} is not supported (only 'default', 'linear', 'llama3')")
+    out = {"rope_theta": float(params.get("rope_theta", 10000.0)), "rope_type": kind}
+    if kind in ("linear", "llama3"):
+        out["rope_factor"] = float(params["factor"])
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max_position=int(params["original_max_position_embeddings"]))
+    return out
+
+
+def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
+    model_type = c.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"config.json: model_type {model_type!r} is not a Llama-family model ({tuple(MODEL_TYPES)})")
+    _refuse(c, "mlp_bias", False, "biases in the MLP")
+    _refuse(c, "pretraining_tp", 1, "tensor-parallel slicing of the projections")
+    _refuse(c, "use_bidirectional_attention", None, "bidirectional attention")
+    act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
+    if model_type in GEMMAS and c.get("hidden_activation"):
+        act = c["hidden_activation"]
+    if model_type in GEMMAS and act == "gelu":   # Gemma's legacy value, meant as the tanh GELU (transformers agrees)
+        act = "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported (one of {tuple(ACTIVATIONS)})")
+    window = None
+    if model_type == "mistral":
+        window = c.get("sliding_window")
+    elif model_type == "qwen2" and c.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=True (Qwen2's sliding window on some layers) is not "
+                         "supported; only use_sliding_window=False")
+    attention_bias = bool(c.get("attention_bias", False))
+    gemma2 = {}
+    if model_type == "gemma2":
+        window = c.get("sliding_window")
+        kinds = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(c["num_hidden_layers"])]
+        unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ValueError(f"config.json: layer_types {unknown} are not supported (only sliding_attention, "
+                             f"full_attention)")
+        gemma2 = {"attn_softcap": c.get("attn_logit_softcapping"), "final_softcap": c.get("final_logit_softcapping"),
+                  "query_pre_attn_scalar": c.get("query_pre_attn_scalar", 256), "sandwich_norms": True,
+                  "sliding_layers": tuple(k == "sliding_attention" for k in kinds) if window else None}
+    return LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads"), head_dim=c.get("head_dim"),
+        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), **_rope(c), hidden_act=act,
+        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", model_type in GEMMAS)), sliding_window=window,
+        gemma=model_type in GEMMAS, scan_layers=scan_layers, model_type=model_type, **gemma2)
+
+
+def hf_config(c: LlamaConfig) -> dict:
+    """The ``config.json`` keys that describe ``c`` (merged over the checkpoint's own on export)."""
+    rope = {"rope_theta": c.rope_theta, "rope_type": c.rope_type}
+    if c.rope_type in ("linear", "llama3"):
+        rope["factor"] = c.rope_factor
+    if c.rope_type == "llama3":
+        rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
+                    original_max_position_embeddings=c.rope_original_max_position)
+    out = {"model_type": c.model_type, "architectures": [MODEL_TYPES[c.model_type]], "vocab_size": c.vocab_size,
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+           "num_key_value_heads": c.kv_heads, "head_dim": c.head_size,
+           "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+           "rope_parameters": rope, "rope_theta": c.rope_theta, "hidden_act": c.hidden_act,
+           "tie_word_embeddings": c.tie_word_embeddings}
+    if c.rope_type != "default":
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if c.model_type in ("llama", *GEMMAS):
+        out["attention_bias"] = c.o_bias
+    if c.model_type == "llama":
+        out["mlp_bias"] = False
+    if c.model_type in ("mistral", "gemma2"):
+        out["sliding_window"] = c.sliding_window
+    if c.model_type in GEMMAS:
+        out["hidden_activation"] = c.hidden_act
+    if c.model_type == "gemma2":
+        out.update(attn_logit_softcapping=c.attn_softcap, final_logit_softcapping=c.final_softcap,
+                   query_pre_attn_scalar=c.query_pre_attn_scalar)
+        if c.sliding_layers is not None:
+            out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in c.sliding_layers]
+    return out
+
+
+def entries(c: LlamaConfig, prefix: str = "model."):
+    """The :class:`~dpzero_jax.models.pretrained.Entry` table of a model with config ``c``."""
+    from dpzero_jax.models.pretrained import Entry, _same, _stacked
+
+    def linear(path, name, bias):
+        out = [Entry(f"{path}/kernel", (f"{name}.weight",), lambda w: w.T, lambda k: (np.ascontiguousarray(k.T),))]
+        return out + ([_same(f"{path}/bias", f"{name}.bias")] if bias else [])
+
+    def layer(h, o):
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if c.sandwich_norms else []
+        out = [_same(f"{o}/{n}/scale", f"{h}.{n}.weight") for n in norms]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out += linear(f"{o}/self_attn/{proj}", f"{h}.self_attn.{proj}", c.o_bias if proj == "o_proj"
+                          else c.qkv_bias)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out += linear(f"{o}/mlp/{proj}", f"{h}.mlp.{proj}", False)
+        return out
+
+    p = prefix
+    out = [_same("embed_tokens/embedding", f"{p}embed_tokens.weight")]
+    if c.scan_layers:
+        out += _stacked([layer(f"{p}layers.{i}", "layers") for i in range(c.num_hidden_layers)])
+    else:
+        for i in range(c.num_hidden_layers):
+            out += layer(f"{p}layers.{i}", f"layers/{i}")
+    out.append(_same("norm/scale", f"{p}norm.weight"))
+    if not c.tie_word_embeddings:
+        out += linear("lm_head", "lm_head", False)
+    return out
