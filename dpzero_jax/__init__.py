@@ -33,8 +33,8 @@ _SUBMODULES = (
     "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
-_OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "optax_dp", "optim", "program",
-                     "running_accountant", "tape")
+_OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "metric_writers", "optax_dp",
+                     "optim", "program", "running_accountant", "tape")
 
 __all__ = [*_ATTRIBUTES, *_SUBMODULES]
 

@@ -78,7 +78,9 @@ def test_one_source_of_truth_for_dependencies():
     train = {re.split(r"[<>=; ]", r, maxsplit=1)[0].lower() for r in extras["train"]}
     assert train == {"dpzero_jax[plot]", "scikit-learn", "tqdm", "pyyaml"}   # `dpzero train` as the quick start runs it
     assert any(r.startswith("matplotlib") for r in extras["plot"])
-    assert "dpzero_jax[train,hf,docs]" in extras["test"]   # tests/test_docs.py builds the docs
+    # tests/test_docs.py builds the docs; tests/test_metric_writers.py reads TensorBoard event files
+    assert "dpzero_jax[train,hf,docs,tensorboard]" in extras["test"]
+    assert [r.split(">")[0] for r in extras["tensorboard"]] == ["tensorboardX"]
     assert {re.split(r"[<>=\[]", r, maxsplit=1)[0] for r in project["optional-dependencies"]["docs"]} == {
         "mkdocs", "mkdocstrings"}
 
