@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from dpzero_jax.cli import main
+from dpzero_jax.cli import build_parser
 from dpzero_jax.train import TrainConfig, Trainer
 
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
@@ -115,9 +115,7 @@ def test_writer_errors_name_the_problem(tmp_path, monkeypatch):
         Trainer(cfg).run()
 
 
-def test_cli_tensorboard_flag(tmp_path):
-    out = tmp_path / "cli"
-    assert main(["train", "--steps", "3", "--batch-size", "32", "--log-every", "3", "--checkpoint-every", "0",
-                 "--no-progress", "--tensorboard", "--out", str(out)]) == 0
-    shown = _scalars_as_tensorboard_shows_them(out / "tensorboard")
-    assert shown[("loss", 3)] == pytest.approx(_rows(out)[-1]["loss"], rel=1e-6)
+def test_cli_flags_reach_the_config():
+    args = build_parser().parse_args(["train", "--tensorboard", "--wandb", "proj"])
+    assert (args.tensorboard, args.wandb_project) == (True, "proj")
+    assert "tensorboard" not in vars(build_parser().parse_args(["train"]))    # unset: TrainConfig's default
