@@ -268,7 +268,7 @@ SMOKE_SHAPES = [Shape("smoke L1 d64 V512 T32 B2", 1, 64, 2, 32, 2, True, vocab=5
 # default grid, in the priority order; --full adds FULL_EXTRA and the largest-batch search
 DEFAULT_SHAPES = [small(1024, 8), small(1024, 8, n_layer=2), small(1024, 8, tied=False, n_layer=2), small(128, 32)]
 FULL_EXTRA = [small(1024, 8, tied=False), small(128, 32, n_layer=2), small(512, 8), small(2048, 4),
-              small(1024, 8, lora_rank=8), medium(1024, 8)]
+              small(1024, 8, lora_rank=8), medium(1024, 8), medium(1024, 4)]
 
 DP_CANDIDATES = {   # every DP candidate is configured with target="tpu" (the step is compiled for the TPU slice)
     "auto": dict(mode="auto"),
