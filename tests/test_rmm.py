@@ -516,7 +516,7 @@ def test_rmm_options_the_trainer_refuses_or_warns_about(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["train", "--rmm", "dct", flag, value])
         assert exit_info.value.code == 2 and flag in capsys.readouterr().err
-    with pytest.raises(ValueError, match="no dense layer besides the head has a trainable kernel"):
+    with pytest.raises(ValueError, match="no dpzero_jax.nn dense layer besides the head has a trainable kernel"):
         Trainer(TrainConfig(out=str(tmp_path), rmm="dct", peft="bitfit", steps=2, **TRAIN))
     with pytest.warns(UserWarning, match="the MLP's dense layers see one per example"):
         Trainer(TrainConfig(out=str(tmp_path), rmm="dct", steps=2, **TRAIN))
