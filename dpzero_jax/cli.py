@@ -140,6 +140,7 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     if not with_flags:
         return
     from dpzero_jax.config import MODES
+    from dpzero_jax.models.gpt2 import REMAT
 
     train.add_argument("--config", help="JSON or YAML file of TrainConfig options (flags override it)")
     train.add_argument("--model", type=_model,
@@ -161,6 +162,10 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
     train.add_argument("--scan-layers", action="store_true",
                        help="GPT-2 (--task causal-lm): stack the blocks and scan over them (compile time independent "
                             "of depth)")
+    train.add_argument("--remat", choices=REMAT,
+                       help="scanned decoders (--task causal-lm): what each block's backward recomputes: none (keep "
+                            "every activation; default), block (only the block's input kept: least memory), dots (the "
+                            "projections' outputs kept, the rest recomputed)")
     train.add_argument("--dataset", choices=("digits",))
     train.add_argument("--hidden", type=_hidden, help="MLP hidden widths, e.g. 128 or 256,128")
     length = train.add_mutually_exclusive_group()

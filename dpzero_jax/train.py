@@ -62,6 +62,7 @@ from dpzero_jax import nn as dz_nn
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
 from dpzero_jax.engine import private_value_and_grad
+from dpzero_jax.models.gpt2 import REMAT
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
 
@@ -141,7 +142,10 @@ class TrainConfig:
     ``out`` / ``export``: local paths or ``gs://`` / ``s3://`` / ``az://`` / ``hf://`` URLs (:mod:`dpzero_jax.rundir`).
     ``scan_layers`` (``task="causal-lm"``): the GPT-2 blocks stacked and scanned (``GPT2Config.scan_layers``): one
     block in the compiled step at any depth, the private gradient from the traced-program front-end. Llama-family
-    models are scanned whatever this says (``LlamaConfig.scan_layers`` defaults to True).
+    models are scanned whatever this says (``LlamaConfig.scan_layers`` defaults to True). ``remat`` (scanned
+    decoders): ``"none"``, ``"block"`` (each block's forward recomputed in the backward: least activation memory) or
+    ``"dots"`` (the projections' outputs kept, the rest recomputed); ``auto`` is then ``ghost``, whose norms come out
+    of the rematerialised backward.
     """
 
     model: str = "mlp"
@@ -205,6 +209,7 @@ class TrainConfig:
     plot: bool = True
     allow_large_delta: bool = False
     scan_layers: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
         def fail(name, expected, value):
@@ -240,6 +245,11 @@ class TrainConfig:
         if self.scan_layers and self.task != "causal-lm":
             raise ValueError("TrainConfig.scan_layers applies to decoders (task='causal-lm', model='hf:PATH'), not "
                              f"task={self.task!r}")
+        if self.remat not in REMAT:
+            raise ValueError(f"TrainConfig.remat must be one of {REMAT}, got {self.remat!r}")
+        if self.remat != "none" and (self.task != "causal-lm" or not self.model.startswith("hf:")):
+            raise ValueError(f"TrainConfig.remat={self.remat!r} applies to decoders (task='causal-lm', "
+                             f"model='hf:PATH'), not model={self.model!r} task={self.task!r}")
         if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 2):
             fail("max_length", "an integer >= 2 or None", self.max_length)
         if self.max_length is not None and not self.model.startswith("hf:"):
@@ -532,6 +542,8 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs, label_names=None, 
             kwargs["dtype"] = PRECISIONS[cfg.precision]
         if cfg.scan_layers:
             kwargs["scan_layers"] = True
+        if cfg.remat != "none":
+            kwargs["remat"] = cfg.remat
         model = models.from_pretrained(path, **kwargs)
         if isinstance(model, models.ViT):
             c, shape = model.config, train_data["image"].shape[1:]

@@ -140,3 +140,49 @@ def test_sharded_checkpoints_load_and_export(checkpoints, tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and not (tmp_path / "out" / "model.safetensors").exists()
     assert_close(logits(transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "out").eval(), ids), expected)
+
+
+@pytest.mark.parametrize("remat", ["block", "dots"])
+def test_rematerialised_layers_give_exact_norms_and_clipped_gradients(checkpoints, remat):
+    """``remat`` puts ``jax.checkpoint`` (its policy) around the scanned layer: per-example norms still equal
+    ``torch.func``'s, and the ghost and book-keeping clipped gradients equal ``vmap(grad)``'s clipped by hand."""
+    path, torch_model = checkpoints["llama"]
+    ids = hf_helpers.token_batch(320, 4, 12, seed=7)
+    expected_norms = torch_per_example_norms(torch_model, ids, np.ones_like(ids))
+    params, loss_fn = dz.models.lm_objective(dz.models.from_pretrained(path, remat=remat))
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32)}
+    clip = float(np.median(expected_norms))                                 # half the examples clipped
+    expected, _, _ = ref.private_grads(ref.per_example_grads(loss_fn, params, batch), "all-layer", "abadi",
+                                       max_grad_norm=clip)
+    for mode in ("ghost", "bk"):
+        cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=clip, mode=mode)
+        _, grads, stats = ref.jit(dz.private_value_and_grad(loss_fn, cfg))(params, batch, None)
+        np.testing.assert_allclose(np.asarray(stats.norms).reshape(-1), expected_norms, rtol=RTOL)
+        for name, value in ref.flat(grads).items():
+            assert_close(value, expected[name], rtol=RTOL)
+
+
+def test_block_remat_cuts_the_private_steps_activation_memory():
+    """Compiled temporaries (XLA:CPU ``memory_analysis``) of the ghost private gradient of a 4-layer Llama at T 96:
+    with ``remat="block"`` less than half of those without, and within 1.3x the non-private remat gradient's."""
+    import jax
+    from flax import nnx
+
+    def temp_bytes(remat, private):
+        config = dz.models.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                                       num_attention_heads=4, max_position_embeddings=96, remat=remat)
+        params, loss_fn = dz.models.lm_objective(dz.models.Llama(config, rngs=nnx.Rngs(0)))
+        batch = {"input_ids": jax.ShapeDtypeStruct((4, 96), jnp.int32)}
+        if private:
+            fn = dz.private_value_and_grad(loss_fn, dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0,
+                                                                 mode="ghost"))
+            args = (params, batch, jax.ShapeDtypeStruct((), jax.random.key(0).dtype))
+        else:
+            fn, args = jax.grad(lambda p, b: jnp.mean(loss_fn(p, b))), (params, batch)
+        return ref.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    plain, remat, non_private = temp_bytes("none", True), temp_bytes("block", True), temp_bytes("block", False)
+    print(f"ghost temp: {plain / 2**20:.1f} MiB, with block remat {remat / 2**20:.1f} MiB "
+          f"(non-private remat {non_private / 2**20:.1f} MiB)")
+    assert remat < 0.5 * plain
+    assert remat <= 1.3 * non_private

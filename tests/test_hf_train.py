@@ -77,16 +77,16 @@ def test_cli_scanned_gpt2_with_lora_trains_and_exports(tmp_path):
 
 
 def test_cli_lora_fine_tune_of_llama_reduces_held_out_loss(tmp_path):
-    """``--peft lora`` on a tiny Llama (GQA, untied head, layers scanned; standard NNX layers): adapters on the
-    attention and MLP projections named as in Hugging Face; the export folds them in and ``transformers`` measures
-    the held-out loss going down."""
+    """``--peft lora`` on a tiny Llama (GQA, untied head, layers scanned and rematerialised with ``--remat dots``;
+    standard NNX layers): adapters on the attention and MLP projections named as in Hugging Face; the export folds
+    them in and ``transformers`` measures the held-out loss going down."""
     ckpt = tmp_path / "llama"
     original = hf_helpers.llama(ckpt, "llama")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(hf_helpers.corpus_sample(40_000)))
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     assert main(["train", "--model", f"hf:{ckpt}", "--task", "causal-lm", "--data", str(corpus), "--max-length",
-                 "32", "--peft", "lora", "--lora-targets", targets, "--lora-rank", "4", "--steps", "24",
+                 "32", "--remat", "dots", "--peft", "lora", "--lora-targets", targets, "--lora-rank", "4", "--steps", "24",
                  "--batch-size", "48", "--lr", "1e-2", "--epsilon", "3", "--eval-every", "24", "--out",
                  str(tmp_path / "run"), "--export", str(tmp_path / "export"), *FAST]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -32,6 +32,8 @@ class GPT2Config:
     # the compiled program at any depth (private gradients via the traced-program front-end, which keeps the scan).
     # Unrolled (False): a list, parameters ``h/0/...``, ``h/1/...``.
     scan_layers: bool = False
+    # activation memory of the scanned blocks (one of REMAT): see ``rematerialised``
+    remat: str = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
@@ -42,6 +44,7 @@ class GPT2Config:
             raise ValueError(f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"GPT2Config.scan_layers must be a bool, got {self.scan_layers!r}")
+        check_remat("GPT2Config", self.remat, self.scan_layers)
         if self.activation_function not in GELUS:
             raise ValueError(f"GPT2Config.activation_function must be one of {tuple(GELUS)}, "
                              f"got {self.activation_function!r}")
@@ -82,7 +85,7 @@ class GPT2(nnx.Module):
         if self.dtype is not None:
             x = x.astype(self.dtype)
         if self.config.scan_layers:
-            x = scan_blocks(self.h, x)
+            x = scan_blocks(self.h, x, self.config.remat)
         else:
             for block in self.h:
                 x = block(x)
@@ -90,12 +93,15 @@ class GPT2(nnx.Module):
         return self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, seed: int = 0, scan_layers: bool = False) -> GPT2:
+    def from_pretrained(cls, path, *, dtype=None, seed: int = 0, scan_layers: bool = False,
+                        remat: str = "none") -> GPT2:
         """A Hugging Face GPT-2 checkpoint directory (see :func:`dpzero_jax.models.from_pretrained`);
-        ``scan_layers``: stack its blocks and scan over them (:class:`GPT2Config`)."""
+        ``scan_layers``: stack its blocks and scan over them, ``remat``: what each block's backward recomputes
+        (:class:`GPT2Config`)."""
         from dpzero_jax.models import pretrained
 
-        return pretrained.load(path, expect=cls, dtype=dtype, seed=seed, scan_layers=scan_layers)
+        return pretrained.load(path, expect=cls, dtype=dtype, seed=seed, scan_layers=scan_layers,
+                               remat=remat)
 
     def save_pretrained(self, path) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``GPT2LMHeadModel``)."""
@@ -114,11 +120,36 @@ def stacked_blocks(make_block, count: int, rngs: nnx.Rngs) -> nnx.Module:
     return make(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, x: jax.Array) -> jax.Array:
+def scan_blocks(blocks: nnx.Module, x: jax.Array, remat: str = "none") -> jax.Array:
     """``x [B, T, d]`` through the stacked ``blocks`` in order: one ``lax.scan`` over the leading axis of their state
-    (trainable and frozen leaves alike, as a PEFT split leaves them)."""
+    (trainable and frozen leaves alike, as a PEFT split leaves them); each block rematerialised by ``remat``."""
     graphdef, state = nnx.split(blocks)
 
     def step(x, layer):
         return nnx.merge(graphdef, layer)(x), None
-    return jax.lax.scan(step, x, state)[0]
+    return jax.lax.scan(rematerialised(step, remat), x, state)[0]
+
+
+# What the backward of a scanned block finds stored from its forward (``remat``):
+#   "none"   every intermediate the backward needs (fastest; activation memory grows with depth x block size);
+#   "block"  only the block's input: the whole block's forward runs again in the backward (least memory);
+#   "dots"   the block's input and the outputs of its matmuls without batch dimensions (the projections); norms,
+#            activations and attention scores are recomputed (MaxText's usual trade).
+REMAT = ("none", "block", "dots")
+
+
+def check_remat(owner: str, remat, scan_layers: bool) -> None:
+    if remat not in REMAT:
+        raise ValueError(f"{owner}.remat must be one of {REMAT}, got {remat!r}")
+    if remat != "none" and not scan_layers:
+        raise ValueError(f"{owner}.remat={remat!r} applies to scanned blocks: set scan_layers=True")
+
+
+def rematerialised(step, remat: str):
+    """The scan body ``step(carry, layer) -> (carry, out)`` under ``jax.checkpoint`` with the policy ``remat`` names
+    (:data:`REMAT`). The private gradient sees a ``checkpoint`` region inside the scan: the traced-program front-end
+    keeps it, so the norms come out of the rematerialised backward."""
+    if remat == "none":
+        return step
+    policy = None if remat == "block" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint(step, policy=policy, prevent_cse=False)

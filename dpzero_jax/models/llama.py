@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpzero_jax.models.gpt2 import stacked_blocks
+from dpzero_jax.models.gpt2 import check_remat, rematerialised, stacked_blocks
 
 # activations by their Hugging Face names: SiLU (SwiGLU) or GELU, tanh-approximated or exact (GeGLU)
 ACTIVATIONS = {"silu": jax.nn.silu,
@@ -67,6 +67,7 @@ class LlamaConfig:
     sandwich_norms: bool = False
     sliding_layers: tuple[bool, ...] | None = None
     scan_layers: bool = True
+    remat: str = "none"                      # activation memory of the scanned layers (dpzero_jax.models.gpt2.REMAT)
     model_type: str = "llama"                # the Hugging Face model_type written on export
 
     def __post_init__(self):
@@ -93,6 +94,7 @@ class LlamaConfig:
                                                 or self.sliding_window is None):
             raise ValueError(f"LlamaConfig.sliding_layers needs sliding_window and one flag per layer "
                              f"({self.num_hidden_layers}), got {self.sliding_layers!r}")
+        check_remat("LlamaConfig", self.remat, self.scan_layers)
 
     @property
     def kv_heads(self) -> int:
@@ -293,7 +295,7 @@ class Llama(nnx.Module):
             def step(x, layer_and_flag):
                 layer, slides = layer_and_flag
                 return nnx.merge(graphdef, layer)(x, cos, sin, layer_mask(slides)), None
-            x = jax.lax.scan(step, x, (state, sliding))[0]
+            x = jax.lax.scan(rematerialised(step, c.remat), x, (state, sliding))[0]
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, layer_mask(sliding[i]))
@@ -302,12 +304,15 @@ class Llama(nnx.Module):
         return softcap(logits, c.final_softcap)
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype=None, seed: int = 0, scan_layers: bool = True) -> Llama:
+    def from_pretrained(cls, path, *, dtype=None, seed: int = 0, scan_layers: bool = True,
+                        remat: str = "none") -> Llama:
         """A Hugging Face Llama / Mistral / Qwen2 / Gemma checkpoint directory (see
-        :func:`dpzero_jax.models.from_pretrained`); ``scan_layers``: stacked layers, one ``lax.scan``."""
+        :func:`dpzero_jax.models.from_pretrained`); ``scan_layers``: stacked layers, one ``lax.scan``; ``remat``:
+        what each layer's backward recomputes (:data:`dpzero_jax.models.gpt2.REMAT`)."""
         from dpzero_jax.models import pretrained
 
-        return pretrained.load(path, expect=cls, dtype=dtype, seed=seed, scan_layers=scan_layers)
+        return pretrained.load(path, expect=cls, dtype=dtype, seed=seed, scan_layers=scan_layers,
+                               remat=remat)
 
     def save_pretrained(self, path, *, max_shard_bytes: int | None = None) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``*ForCausalLM``); sharded with

@@ -342,20 +342,23 @@ def _labels(hf_config: dict, num_labels: int, id2label) -> None:
 
 
 def from_pretrained(path, *, num_labels: int | None = None, id2label=None, dtype=None, seed: int = 0,
-                    scan_layers: bool | None = None):
+                    scan_layers: bool | None = None, remat: str = "none"):
     """The model of a Hugging Face ``save_pretrained`` directory: :class:`~dpzero_jax.models.GPT2`,
     :class:`~dpzero_jax.models.BertEncoder` (BERT, RoBERTa) or :class:`~dpzero_jax.models.ViT`, by ``model_type``.
 
     ``num_labels`` / ``id2label`` (encoders and ViT): the classes of the head; a head of another size, or missing, is
     initialised afresh from ``seed``. ``dtype``: activation compute dtype (GPT-2, BERT). Weights are fp32.
     ``scan_layers`` (decoders): blocks stacked and scanned; ``None``: the model's default (GPT-2: unrolled,
-    :class:`~dpzero_jax.models.Llama` and its family -- Llama, Mistral, Qwen2, Gemma -- scanned).
+    :class:`~dpzero_jax.models.Llama` and its family -- Llama, Mistral, Qwen2, Gemma -- scanned). ``remat``
+    (scanned decoders): ``"none"``, ``"block"`` or ``"dots"``, what each block's backward recomputes
+    (:data:`dpzero_jax.models.gpt2.REMAT`).
     """
-    return load(path, num_labels=num_labels, id2label=id2label, dtype=dtype, seed=seed, scan_layers=scan_layers)
+    return load(path, num_labels=num_labels, id2label=id2label, dtype=dtype, seed=seed, scan_layers=scan_layers,
+                remat=remat)
 
 
 def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed: int = 0,
-         scan_layers: bool | None = None):
+         scan_layers: bool | None = None, remat: str = "none"):
     hf_config = hf.read_config(path)
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED:
@@ -373,16 +376,17 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
     if cls in (GPT2, Llama) and (num_labels is not None or id2label is not None):
         raise ValueError(f"{model_type} is loaded as a causal language model: num_labels and id2label do not apply")
     if cls is Llama:
-        config = llama_hf.config_from_hf(hf_config, True if scan_layers is None else scan_layers)
+        config = dataclasses.replace(llama_hf.config_from_hf(hf_config, True if scan_layers is None else scan_layers),
+                                     remat=remat)
         entries = llama_hf.entries(config, _prefix(state, ("model.",)))
         build = functools.partial(Llama, config, dtype=dtype)
     elif cls is GPT2:
-        config = _gpt2_config(hf_config, bool(scan_layers))
+        config = dataclasses.replace(_gpt2_config(hf_config, bool(scan_layers)), remat=remat)
         entries = _gpt2_entries(config, _prefix(state, ("transformer.",)))
         build = functools.partial(GPT2, config, dtype=dtype)
     else:
-        if scan_layers:
-            raise ValueError(f"scan_layers applies to decoders only; {path} holds a {model_type} checkpoint")
+        if scan_layers or remat != "none":
+            raise ValueError(f"scan_layers and remat apply to decoders only; {path} holds a {model_type} checkpoint")
         checkpoint_labels = _checkpoint_labels(hf_config)
         if num_labels is None:
             num_labels = len(id2label) if id2label is not None else checkpoint_labels
