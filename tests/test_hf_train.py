@@ -86,8 +86,8 @@ def test_cli_lora_fine_tune_of_llama_reduces_held_out_loss(tmp_path):
     corpus.write_text("\n".join(hf_helpers.corpus_sample(40_000)))
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     assert main(["train", "--model", f"hf:{ckpt}", "--task", "causal-lm", "--data", str(corpus), "--max-length",
-                 "32", "--remat", "dots", "--peft", "lora", "--lora-targets", targets, "--lora-rank", "4", "--steps", "24",
-                 "--batch-size", "48", "--lr", "1e-2", "--epsilon", "3", "--eval-every", "24", "--out",
+                 "32", "--remat", "dots", "--peft", "lora", "--lora-targets", targets, "--lora-rank", "4",
+                 "--steps", "24", "--batch-size", "48", "--lr", "1e-2", "--epsilon", "3", "--eval-every", "24", "--out",
                  str(tmp_path / "run"), "--export", str(tmp_path / "export"), *FAST]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     _, held_out, _ = dz.text.load_text_dataset(dz.text.load_tokenizer(ckpt), task="causal-lm", max_length=32,

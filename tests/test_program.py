@@ -327,3 +327,31 @@ def test_pallas_norm_kernels_on_the_program_front_end():
     """``norm_kernel="pallas"`` (interpreted on CPU) computes the factored norms and sums of program sites too."""
     check_private(SETUPS["plain"](), clip_fn="abadi", groups="param-wise", mode="bk", norm_kernel="pallas",
                   floor=1e-4)
+
+
+def test_fastest_rule_in_explain_ghost_and_bk():
+    """A dense weight ``[128, 128]`` at T 64: the space rule (``"mixed"``) picks the ghost norm (2 T^2 = 8192 <
+    16384), the FLOP rule (``"fastest"``) instantiation (ghost T^2 (rows + cols) = 1048576 multiply-adds against
+    60 rows cols = 983040 for instantiation with reuse). ``explain_plan`` reports the rule book-keeping applies, and
+    ghost and book-keeping give exact norms and clipped gradients under both rules."""
+    width, length = 128, 64
+    keys = jax.random.split(jax.random.key(11), 2)
+    params = {"w": jax.random.normal(keys[0], (width, width)) / np.sqrt(width),
+              "head": jax.random.normal(keys[1], (width, 3)) / np.sqrt(width)}
+    rng = np.random.default_rng(12)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["w"]).mean(1)
+        return -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][:, None], 1)[:, 0]
+
+    setup = Setup("dense", params, loss_fn, batch, ())
+    for method, expected in (("mixed", "ghost"), ("fastest", "instantiate")):
+        cfg = dz.DPConfig(norm_method=method, front_end="program")
+        rows = {r["path"]: r for r in dz.explain_plan(loss_fn, cfg, params, batch).rows}
+        assert rows["w"]["method"] == expected, method
+        assert rows["w"]["per_example_bytes"] == 4 * (length ** 2 if expected == "ghost" else width * width)
+        for mode in ("bk", "ghost"):
+            check_private(setup, clip_fn="abadi", groups="all-layer", mode=mode, norm_method=method,
+                          front_end="program")

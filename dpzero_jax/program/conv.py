@@ -106,8 +106,9 @@ def factors(eqn, lhs, g):
 
 
 def use_ghost(method: str, positions: int, rows: int, cols: int) -> bool:
-    """Ghost norm or instantiation for one block of ``positions`` unfolded positions, ``rows x cols``: the rule of
-    :func:`dpzero_jax.pergrad.use_ghost` for one dense use (``"mixed"``: space, ``"fastest"``: FLOPs)."""
+    """Ghost norm or instantiation for one block of ``positions`` positions (unfolded, for a convolution), ``rows x
+    cols``: the rule of :func:`dpzero_jax.pergrad.use_ghost` for one dense use (``"mixed"``: space, ``"fastest"``:
+    FLOPs). Also the ghost mode's rule for a dot site."""
     use = pergrad.Outer(jax.ShapeDtypeStruct((1, positions, rows), jnp.float32),
                         jax.ShapeDtypeStruct((1, positions, cols), jnp.float32), rows, (rows, cols))
     return pergrad.use_ghost([use], method)

@@ -53,7 +53,7 @@ def _squared_norm(site, method: str, w, ops, g):
     if site.kind == "dot" or (site.kind == "conv" and sites_lib.conv_factored([site], method)):
         if site.kind == "dot":
             left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
-            ghost = pergrad.space_rule(method, left.shape[1], left.shape[2] * right.shape[2])
+            ghost = conv.use_ghost(method, left.shape[1], left.shape[2], right.shape[2])   # book-keeping's rule
         else:   # unfolded only for the ghost norm; an instantiated kernel comes from the VJP below
             left, right = conv.factors(site.eqn, ops[0], g)
             ghost = True

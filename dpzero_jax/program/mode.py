@@ -287,6 +287,7 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
     """
     leaves = jax.tree.leaves(params)
     method = getattr(cfg, "norm_method", "mixed")
+    kernel = "pallas" if getattr(cfg, "norm_kernel", "xla") == "pallas" else "xla"
     rows = []
     for i, (path, leaf) in enumerate(zip(plan.paths, leaves)):
         size = math.prod(np.shape(leaf))
@@ -304,14 +305,39 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
             elif "conv" in kinds:
                 how, nbytes = _explain_conv(leaf_sites, method, size)
             else:
-                positions = sum(_positions(s) for s in leaf_sites)
-                rows_cols = math.prod(leaf_sites[0].eqn.invars[leaf_sites[0].param_operand].aval.shape)
-                ghost = pergrad.space_rule(method, positions, rows_cols)
-                how = "ghost" if ghost else "instantiate"
-                nbytes = 4 * (positions ** 2 if ghost else size)
+                how, nbytes = _explain_factored(leaf_sites, method, kernel, size)
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
                      "group": plan.group_names[plan.group_of[path]], "why": why})
     return rows
+
+
+def _explain_factored(leaf_sites, method: str, kernel: str, size: int) -> tuple[str, int]:
+    """``(method, per-example bytes)`` of a leaf used by dot / gather sites, as book-keeping decides: the sites'
+    factors (shapes only, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one example)
+    go through the rule of :func:`_outer_norm_and_sum`; uses whose blocks or layouts differ are instantiated."""
+    factors = []
+    for site in leaf_sites:
+        lead = (1,) + tuple(site.lengths)
+        operands = [jax.ShapeDtypeStruct(lead + tuple(site.eqn.invars[i].aval.shape), site.eqn.invars[i].aval.dtype)
+                    for i in site.recorded]
+        out = site.eqn.outvars[0].aval
+        static = {}
+
+        def shapes(ops, g, site=site, static=static):
+            f = sites_lib.factored(site, ops, g)
+            static.update(rows=f.rows, ids=f.left_is_ids, structure=f.structure[1:])
+            return f.left, f.right
+        left, right = jax.eval_shape(shapes, operands, jax.ShapeDtypeStruct(lead + tuple(out.shape), jnp.float32))
+        factors.append((left.shape[1:], right.shape[1:], static))
+    if len({f[2]["structure"] + (f[0][0],) for f in factors}) > 1:      # as _same_blocks: no shared cross terms
+        return "instantiate", 4 * size
+    blocks = factors[0][0][0]
+    uses = [pergrad.Outer(jax.ShapeDtypeStruct(left, jnp.float32), jax.ShapeDtypeStruct(right, jnp.float32),
+                          st["rows"], (st["rows"], right[-1]), st["ids"]) for left, right, st in factors]
+    if pergrad.use_ghost(uses, method, kernel if blocks == 1 else "xla"):
+        positions = sum(u.positions for u in uses)
+        return "ghost", 4 * blocks * positions ** 2
+    return "instantiate", 4 * size
 
 
 def _explain_conv(leaf_sites, method: str, size: int) -> tuple[str, int]:
