@@ -184,7 +184,7 @@ def test_bad_hf_options_get_clear_errors(tmp_path, capsys):
     assert main(["train", "--model", f"hf:{tmp_path / 'vit'}", "--task", "causal-lm", *FAST]) == 2
     wanted = "gpt2 / llama / mistral / qwen2 / gemma / gemma2"
     assert f"task 'causal-lm' needs a {wanted} checkpoint" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="scan_layers applies to decoders only; .* holds a vit checkpoint"):
+    with pytest.raises(ValueError, match="scan_layers and remat apply to decoders only; .* holds a vit checkpoint"):
         dz.models.from_pretrained(tmp_path / "vit", scan_layers=True)
     with pytest.warns(UserWarning, match="afresh .*5 labels, 10 asked for"):   # digits have 10 classes
         assert main(["train", "--model", f"hf:{tmp_path / 'vit'}", "--steps", "1", *FAST]) == 2
