@@ -785,11 +785,19 @@ class Trainer:
             if cfg.rmm_diagnostics_every:
                 self._rmm_diagnostics = _diagnostics_fn(loss_fn)
         _, apply_fn = models.logits_fn(model, trainable=trainable)
+        # The frozen variables (a PEFT base model) enter the jitted functions as (sharded) arguments, not as
+        # constants folded into the program. RMM's keyed loss (whose frozen state holds the step's sketch keys) and
+        # the explicit strategy's shard_map keep them captured.
+        self._frozen_by_argument = cfg.rmm == "none" and not (self.rules is not None and cfg.strategy == "explicit")
+        frozen = models.frozen_state(model, trainable) if self._frozen_by_argument else {}
+        self._frozen_shardings = None if self.rules is None else self.rules.params(frozen)
+        self._frozen = (jax.tree.map(jnp.asarray, frozen) if self.rules is None
+                        else jax.tree.map(_to_global, frozen, self._frozen_shardings))
         self.learning_rate = optim.learning_rate_schedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.steps)
         self.tx = optim.make_optimizer(cfg.optimizer, self.learning_rate, cfg.weight_decay)
         self._build_step(loss_fn, apply_fn, loss_for_key)
         if "input_ids" in self.train_data:
-            self._evaluate_text = _text_evaluator(apply_fn, cfg.task)
+            self._evaluate_text = _text_evaluator(self._bind_frozen(apply_fn), cfg.task)
 
     @property
     def formal_guarantee(self) -> bool:
@@ -838,16 +846,24 @@ class Trainer:
         return sampler
 
     # ---------------------------------------------------------------- compiled functions
+    def _bind_frozen(self, fn):
+        """``fn(params, x, frozen=...)`` -> ``bound(params, x, frozen)``: the frozen variables passed in when they
+        are an argument of the jitted functions (:attr:`_frozen_by_argument`), else ignored (``fn`` captured them)."""
+        if not self._frozen_by_argument:
+            return lambda params, x, frozen: fn(params, x)
+        return lambda params, x, frozen: fn(params, x, frozen=frozen)
+
     def _build_step(self, loss_fn, apply_fn, loss_for_key=None):
         """``loss_for_key(noise_key)``: the step's loss when it depends on the step (RMM sketches); else ``loss_fn``."""
         cfg, tx = self.config, self.tx
         if loss_for_key is None:
             def loss_for_key(noise_key):
                 return loss_fn
+        bind = self._bind_frozen
         if cfg.no_dp:
-            def gradient(params, batch, key, mask):
+            def gradient(params, batch, key, mask, frozen):
                 def mean_loss(p):
-                    losses = loss_for_key(key)(p, batch)
+                    losses = bind(loss_for_key(key))(p, batch, frozen)
                     w = mask.astype(losses.dtype)
                     return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1.0), losses
                 (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
@@ -858,12 +874,16 @@ class Trainer:
                               expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
                               norm_kernel=cfg.norm_kernel, noise_rng="partitionable")
 
-            def gradient(params, batch, key, mask):
-                losses, grads, _ = private_value_and_grad(loss_for_key(key), dp_cfg)(params, batch, key, mask)
+            def gradient(params, batch, key, mask, frozen):
+                loss = functools.partial(bind(loss_for_key(key)), frozen=frozen)
+                losses, grads, _ = private_value_and_grad(loss, dp_cfg)(params, batch, key, mask)
                 return losses, grads
 
         if self.rules is not None and cfg.strategy == "explicit":
-            gradient = self._explicit_gradient(loss_fn, None if cfg.no_dp else dp_cfg)
+            explicit = self._explicit_gradient(loss_fn, None if cfg.no_dp else dp_cfg)
+
+            def gradient(params, batch, key, mask, frozen):
+                return explicit(params, batch, key, mask)
 
         compute_dtype = PRECISIONS[cfg.precision]
         lm, inputs = cfg.task == "causal-lm", self.inputs
@@ -872,13 +892,13 @@ class Trainer:
             return batch[inputs] if isinstance(inputs, str) else {k: batch[k] for k in inputs}
 
         grad_shardings = None if self.rules is None else self.rules.grads(self.init_params)
-        step_apply = apply_fn  # the training batch's accuracy after the update
+        step_apply = bind(apply_fn)  # the training batch's accuracy after the update
         if self.rules is not None and cfg.strategy == "explicit":  # gathers layer by layer, as the gradient does
-            step_apply = sharding.explicit_apply(apply_fn, self.rules, self.init_params)
+            step_apply = bind(sharding.explicit_apply(apply_fn, self.rules, self.init_params))
 
-        def step(params, opt_state, batch, noise_key, mask):
+        def step(params, opt_state, batch, noise_key, mask, frozen):
             batch = _cast_inputs(batch, compute_dtype)
-            losses, grads = gradient(params, batch, noise_key, mask)
+            losses, grads = gradient(params, batch, noise_key, mask, frozen)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # fp32 master gradient
             if grad_shardings is not None:  # the ZeRO stage's gradient layout (reduce-scatter to the owners)
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -889,11 +909,11 @@ class Trainer:
             loss = jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / count
             if lm:  # causal LM: the batch's perplexity exp(loss) in place of an accuracy
                 return params, opt_state, loss, jnp.exp(loss)
-            correct = jnp.argmax(step_apply(params, model_inputs(batch)), -1) == batch["label"]  # after the update
+            correct = jnp.argmax(step_apply(params, model_inputs(batch), frozen), -1) == batch["label"]  # updated
             return params, opt_state, loss, jnp.sum(correct * w) / count
 
-        def evaluate(params, images, labels):
-            logits = apply_fn(params, images.astype(compute_dtype)).astype(jnp.float32)
+        def evaluate(params, images, labels, frozen):
+            logits = bind(apply_fn)(params, images.astype(compute_dtype), frozen).astype(jnp.float32)
             loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
             return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
 
@@ -907,7 +927,7 @@ class Trainer:
             self._opt_shardings = rules.opt_state(opt_shape)
             self._step = jax.jit(step, donate_argnums=(0, 1),
                                  in_shardings=(self._param_shardings, self._opt_shardings, rules.batch(batch_shape),
-                                               rules.replicated, rules.batch(0)),
+                                               rules.replicated, rules.batch(0), self._frozen_shardings),
                                  out_shardings=(self._param_shardings, self._opt_shardings, rules.replicated,
                                                 rules.replicated))
         self._evaluate = jax.jit(evaluate)
@@ -943,9 +963,9 @@ class Trainer:
         """``(loss, accuracy)`` of a data split; causal LM: ``(loss per token, perplexity)``. ``inputs``: the
         split's :meth:`_eval_inputs` if already placed (image data)."""
         if "input_ids" not in data:
-            return self._evaluate(params, *(inputs if inputs is not None else self._eval_inputs(data)))
+            return self._evaluate(params, *(inputs if inputs is not None else self._eval_inputs(data)), self._frozen)
         place = None if self.rules is None else functools.partial(_to_global, sharding=self.rules.replicated)
-        return self._evaluate_text(params, data, place)
+        return self._evaluate_text(params, data, place, self._frozen)
 
     def lower_step(self):
         """The jitted training step lowered on abstract arguments of the real shapes and shardings (inspect its
@@ -958,7 +978,9 @@ class Trainer:
                                      self._opt_shardings)
         batch = {k: jax.ShapeDtypeStruct((self.slots,) + v.shape[1:], v.dtype) for k, v in self.train_data.items()}
         mask = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)
-        return self._step.lower(params, opt_state, batch, self.step_keys(0)[1], mask)
+        frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                              self._frozen)
+        return self._step.lower(params, opt_state, batch, self.step_keys(0)[1], mask, frozen)
 
     def step_keys(self, step: int):
         """``(sample_key, noise_key)`` of step ``step``: a pure function of (seed, step)."""
@@ -1119,7 +1141,8 @@ class Trainer:
                         # at the parameters the step starts from (the step donates them), on its batch
                         values = self._rmm_diagnostics(params, batch, mask)
                         diagnostics = {k: float(v) if np.isfinite(v) else None for k, v in values.items()}
-                    params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, mask)
+                    params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, mask,
+                                                              self._frozen)
                     if not cfg.no_dp:
                         self._record(ledger, step, batch_info)
                     done = step + 1
@@ -1263,22 +1286,23 @@ def _text_evaluator(apply_fn, task: str):
     Classification: mean cross-entropy and accuracy over examples. Causal LM: the mean next-token cross-entropy over
     all target tokens of the split (``loss_mask``) and its exponential, the perplexity."""
 
-    def chunk_sums(params, chunk, weight):
+    def chunk_sums(params, chunk, weight, frozen):
         if task == "causal-lm":
             ids = chunk["input_ids"]
-            logits = apply_fn(params, ids)[:, :-1].astype(jnp.float32)
+            logits = apply_fn(params, ids, frozen)[:, :-1].astype(jnp.float32)
             nll = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
             tokens = chunk["loss_mask"][:, 1:].astype(jnp.float32) * weight[:, None]
             return jnp.sum(nll * tokens), jnp.sum(tokens)
-        logits = apply_fn(params, {k: chunk[k] for k in ("input_ids", "attention_mask")}).astype(jnp.float32)
+        logits = apply_fn(params, {k: chunk[k] for k in ("input_ids", "attention_mask")}, frozen).astype(jnp.float32)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, chunk["label"])
         correct = (jnp.argmax(logits, -1) == chunk["label"]).astype(jnp.float32)
         return jnp.sum(loss * weight), jnp.sum(correct * weight)
 
     chunk_sums = jax.jit(chunk_sums)
 
-    def evaluate(params, data, place=None):
-        """``place``: host array -> global array (under a mesh, so that every process passes the same chunk)."""
+    def evaluate(params, data, place=None, frozen=None):
+        """``place``: host array -> global array (under a mesh, so that every process passes the same chunk);
+        ``frozen``: the model's frozen variables when ``apply_fn`` takes them as an argument."""
         n = len(next(iter(data.values())))
         size = min(EVAL_CHUNK, n)
         first = second = 0.0
@@ -1291,7 +1315,7 @@ def _text_evaluator(apply_fn, task: str):
             weight = (np.arange(size) < real).astype(np.float32)
             if place is not None:
                 chunk, weight = {k: place(v) for k, v in chunk.items()}, place(weight)
-            a, b = chunk_sums(params, chunk, weight)
+            a, b = chunk_sums(params, chunk, weight, frozen)
             first, second = first + float(a), second + float(b)
         if task == "causal-lm":
             loss = first / max(second, 1.0)

@@ -332,6 +332,29 @@ def test_peft_trains_only_the_selected_parameters(tmp_path, method, trained):
     assert result.test_accuracy > 0.3
 
 
+def _constants_of_shape(stablehlo: str, shape) -> list[str]:
+    """The ``stablehlo.constant`` lines of a lowered program whose type is a tensor of ``shape``."""
+    wanted = "tensor<" + "x".join(map(str, shape)) + "x"
+    return [line for line in stablehlo.splitlines() if "stablehlo.constant" in line and wanted in line]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_frozen_weights_enter_the_step_as_arguments_not_constants(tmp_path, devices):
+    """PEFT's frozen base weights are arguments of the jitted step (sharded like parameters under a mesh), never
+    constants folded into the program: a large frozen model would otherwise be baked into every compiled step."""
+    cfg = TrainConfig(out=str(tmp_path), peft="linear-probe", devices=devices, **{**TINY, "checkpoint_every": 0})
+    trainer = Trainer(cfg)
+    frozen_kernel = trainer._frozen["layers"][0]["kernel"][...]
+    text = trainer.lower_step().as_text()
+    assert not _constants_of_shape(text, frozen_kernel.shape)
+    # the detector finds the constant when the same weight is captured instead of passed
+    captured = jax.jit(lambda x: x @ frozen_kernel).lower(jax.ShapeDtypeStruct((3, frozen_kernel.shape[0]),
+                                                                               frozen_kernel.dtype))
+    assert _constants_of_shape(captured.as_text(), frozen_kernel.shape)
+    result = trainer.run()   # and the step still trains with them passed in
+    assert result.test_accuracy > 0.3
+
+
 def test_peft_lora_through_the_cli(tmp_path, capsys):
     assert main(["train", "--steps", "10", "--batch-size", "64", "--peft", "lora", "--lora-rank", "2",
                  "--lora-targets", "layers/0", "--peft-also-train", "none", "--out", str(tmp_path),

@@ -11,10 +11,10 @@ from dpzero_jax.models.encoder import Encoder, EncoderConfig
 from dpzero_jax.models.gpt2 import GPT2, GPT2Config
 from dpzero_jax.models.llama import Llama, LlamaConfig
 from dpzero_jax.models.mlp import MLP, MLPConfig
-from dpzero_jax.models.objectives import classification_objective, lm_objective, logits_fn
+from dpzero_jax.models.objectives import classification_objective, frozen_state, lm_objective, logits_fn
 from dpzero_jax.models.pretrained import from_pretrained
 from dpzero_jax.models.vit import ViT, ViTConfig
 
 __all__ = ["BertConfig", "BertEncoder", "CNN", "CNNConfig", "Encoder", "EncoderConfig", "GPT2", "GPT2Config", "Llama",
-           "LlamaConfig", "MLP",
-           "MLPConfig", "ViT", "ViTConfig", "classification_objective", "from_pretrained", "lm_objective", "logits_fn"]
+           "LlamaConfig", "MLP", "MLPConfig", "ViT", "ViTConfig", "classification_objective", "from_pretrained",
+           "frozen_state", "lm_objective", "logits_fn"]

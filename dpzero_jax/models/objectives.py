@@ -1,8 +1,11 @@
 """Per-example objectives: turn an NNX model into ``(params, loss_fn)`` with ``loss_fn(params, batch) -> [B]``.
 
 ``trainable`` (an NNX filter, default ``nnx.Param``) selects the variables that go into ``params``; every other
-variable is closed over by ``loss_fn`` as a constant: frozen, it costs no norm and gets no gradient. PEFT passes
-the filter of :func:`dpzero_jax.peft.apply`.
+variable is frozen: it costs no norm and gets no gradient. PEFT passes the filter of :func:`dpzero_jax.peft.apply`.
+By default ``loss_fn`` closes over the frozen variables, which then enter a jitted program as constants. Under
+``jax.jit`` with large frozen weights (LoRA on a big model) pass them instead: ``loss_fn(params, batch,
+frozen=frozen_state(model, trainable))`` with ``frozen`` an argument of the jitted function -- then they are
+(sharded) arguments, not constants folded into the program.
 """
 
 from __future__ import annotations
@@ -18,19 +21,24 @@ def _split(model: nnx.Module, trainable: Filter):
     return graphdef, params, rest
 
 
+def frozen_state(model: nnx.Module, trainable: Filter = nnx.Param) -> nnx.State:
+    """The variables of ``model`` that ``trainable`` leaves out (the ``frozen`` argument of the objectives)."""
+    return _split(model, trainable)[2]
+
+
 def lm_objective(model: nnx.Module, *, trainable: Filter = nnx.Param):
     """Next-token cross-entropy, averaged over each example's positions.
 
     batch: ``{"input_ids": int32 [B, T]}`` and optionally ``"loss_mask": [B, T]`` (1 where the token at ``t+1`` is
     a target; with right padding, the padding mask itself: a padded token is never a target, and causal attention
     keeps it out of every earlier position, so padding contributes nothing). Returns ``(params, loss_fn)``;
-    ``loss_fn(params, batch) -> [B]``.
+    ``loss_fn(params, batch, frozen=None) -> [B]`` (``frozen``: see the module docstring).
     """
     graphdef, params, rest = _split(model, trainable)
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, frozen=None):
         ids = batch["input_ids"]
-        logits = nnx.merge(graphdef, params, rest)(ids)[:, :-1].astype(jnp.float32)
+        logits = nnx.merge(graphdef, params, rest if frozen is None else frozen)(ids)[:, :-1].astype(jnp.float32)
         targets = ids[:, 1:]
         token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         weights = batch.get("loss_mask")
@@ -51,24 +59,24 @@ def _inputs(batch, input_key):
 def classification_objective(model: nnx.Module, input_key: str | tuple[str, ...] = "image", *,
                              trainable: Filter = nnx.Param):
     """Softmax cross-entropy. batch: ``{input_key: [B, ...], "label": int32 [B]}`` (``input_key`` a tuple: several
-    inputs passed by name). Returns ``(params, loss_fn)``."""
+    inputs passed by name). Returns ``(params, loss_fn)``; ``loss_fn(params, batch, frozen=None) -> [B]``."""
     graphdef, params, rest = _split(model, trainable)
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, frozen=None):
         args, kwargs = _inputs(batch, input_key)
-        logits = nnx.merge(graphdef, params, rest)(*args, **kwargs).astype(jnp.float32)
+        logits = nnx.merge(graphdef, params, rest if frozen is None else frozen)(*args, **kwargs).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
 
     return params, loss_fn
 
 
 def logits_fn(model: nnx.Module, *, trainable: Filter = nnx.Param):
-    """``(params, apply)`` with ``apply(params, inputs) -> logits``, for evaluation (``inputs`` a dict: passed to the
-    model as keyword arguments)."""
+    """``(params, apply)`` with ``apply(params, inputs, frozen=None) -> logits``, for evaluation (``inputs`` a dict:
+    passed to the model as keyword arguments)."""
     graphdef, params, rest = _split(model, trainable)
 
-    def apply(params, inputs):
-        model = nnx.merge(graphdef, params, rest)
+    def apply(params, inputs, frozen=None):
+        model = nnx.merge(graphdef, params, rest if frozen is None else frozen)
         return model(**inputs) if isinstance(inputs, dict) else model(inputs)
 
     return params, apply
