@@ -786,10 +786,13 @@ class Trainer:
                 self._rmm_diagnostics = _diagnostics_fn(loss_fn)
         _, apply_fn = models.logits_fn(model, trainable=trainable)
         # The frozen variables (a PEFT base model) enter the jitted functions as (sharded) arguments, not as
-        # constants folded into the program. RMM's keyed loss (whose frozen state holds the step's sketch keys) and
-        # the explicit strategy's shard_map keep them captured.
+        # constants folded into the program; a Llama in half precision holds its frozen matrices in it. RMM's keyed
+        # loss (whose frozen state holds the step's sketch keys) and the explicit strategy's shard_map keep them
+        # captured.
         self._frozen_by_argument = cfg.rmm == "none" and not (self.rules is not None and cfg.strategy == "explicit")
         frozen = models.frozen_state(model, trainable) if self._frozen_by_argument else {}
+        if cfg.precision != "fp32" and isinstance(model, models.Llama):
+            frozen = _matrices_in(frozen, PRECISIONS[cfg.precision])
         self._frozen_shardings = None if self.rules is None else self.rules.params(frozen)
         self._frozen = (jax.tree.map(jnp.asarray, frozen) if self.rules is None
                         else jax.tree.map(_to_global, frozen, self._frozen_shardings))
@@ -1278,6 +1281,18 @@ def _cast_inputs(batch: dict, dtype) -> dict:
 
 
 EVAL_CHUNK = 64  # examples per compiled evaluation call of text models (the last chunk is padded)
+
+
+def _matrices_in(frozen, dtype):
+    """``frozen`` with its floating matrices (2-D and up: kernels, embedding tables) stored in ``dtype``.
+
+    For the Llama family under ``--precision bf16|fp16``: built with that compute ``dtype``, its ``nnx.Linear`` /
+    ``nnx.Embed`` layers cast every weight to it at use, so a frozen base model stored so gives the same logits with
+    half the bytes (the trained parameters keep their fp32 masters). Vectors (norm scales, biases) stay as they are.
+    GPT-2 and BERT sum their embeddings in fp32 before the cast, so theirs stay fp32 (not the same result)."""
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2 else x
+    return jax.tree.map(cast, frozen)
 
 
 def _text_evaluator(apply_fn, task: str):

@@ -100,6 +100,32 @@ def test_cli_lora_fine_tune_of_llama_reduces_held_out_loss(tmp_path):
     print(f"held-out loss by transformers: {before:.3f} -> {after:.3f}")
 
 
+def test_bf16_lora_llama_holds_its_frozen_base_in_bf16(tmp_path):
+    """``--precision bf16 --peft lora`` on a Llama: the frozen base matrices are stored in bf16 (norm scales fp32),
+    the model's logits are exactly those of the fp32 weights (its layers cast every weight to bf16 at use), and the
+    step's argument bytes hold them at 2 bytes each."""
+    ckpt = tmp_path / "llama"
+    hf_helpers.llama(ckpt, "llama")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(hf_helpers.corpus_sample(4_000)))
+    cfg = TrainConfig(model=f"hf:{ckpt}", task="causal-lm", data=str(corpus), max_length=16, peft="lora",
+                      lora_rank=2, precision="bf16", steps=2, batch_size=16, epsilon=3.0, out=str(tmp_path / "run"),
+                      progress=False, plot=False, checkpoint_every=0)
+    trainer = Trainer(cfg)
+    frozen = jax.tree.leaves(trainer._frozen)
+    assert {x.dtype for x in frozen if x.ndim >= 2} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in frozen if x.ndim == 1} == {jnp.dtype(jnp.float32)}
+    _, apply = dz.models.logits_fn(trainer.model, trainable=trainer.trainable)
+    ids = jnp.asarray(trainer.test_data["input_ids"][:4])
+    fp32 = dz.models.frozen_state(trainer.model, trainer.trainable)
+    assert {x.dtype for x in jax.tree.leaves(fp32)} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_array_equal(apply(trainer.init_params, ids, frozen=fp32),
+                                  apply(trainer.init_params, ids, frozen=trainer._frozen))
+    frozen_bytes = sum(x.size * x.dtype.itemsize for x in frozen)
+    assert frozen_bytes < 0.6 * sum(x.size * 4 for x in frozen)
+    assert np.isfinite(trainer.run().history[-1]["loss"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma", "gemma2"])
 def test_cli_full_fine_tune_of_gemma_exports_what_it_trained(tmp_path, kind):
