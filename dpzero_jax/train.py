@@ -518,7 +518,7 @@ def _load_data(cfg: TrainConfig):
     elif cfg.task == "causal-lm":
         positions = hf_config.get("max_position_embeddings", 2048)
     else:
-        positions = models.pretrained.bert_max_length(hf_config, model_type)
+        positions = models.bert_hf.max_length(hf_config, model_type)
     max_length = cfg.max_length if cfg.max_length is not None else min(128, positions)
     if max_length > positions:
         raise ValueError(f"max_length={max_length} exceeds the {positions} positions of the checkpoint in {path}")

@@ -9,19 +9,12 @@ tensor (``nn.Linear`` weights ``[out, in]`` are transposed to kernels ``[in, out
 
 from __future__ import annotations
 
-import numpy as np
-
+from dpzero_jax.models.hf_mapping import blocks, refuse, same, transposed
 from dpzero_jax.models.llama import ACTIVATIONS, LlamaConfig
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 GEMMAS = ("gemma", "gemma2")
-
-
-def _refuse(config: dict, key: str, supported, what: str) -> None:
-    value = config.get(key, supported)
-    if value != supported:
-        raise ValueError(f"config.json: {key}={value!r} ({what}) is not supported; only {key}={supported!r}")
 
 
 def _rope(c: dict) -> dict:
@@ -48,9 +41,9 @@ def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
     model_type = c.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json: model_type {model_type!r} is not a Llama-family model ({tuple(MODEL_TYPES)})")
-    _refuse(c, "mlp_bias", False, "biases in the MLP")
-    _refuse(c, "pretraining_tp", 1, "tensor-parallel slicing of the projections")
-    _refuse(c, "use_bidirectional_attention", None, "bidirectional attention")
+    refuse(c, "mlp_bias", False, "biases in the MLP")
+    refuse(c, "pretraining_tp", 1, "tensor-parallel slicing of the projections")
+    refuse(c, "use_bidirectional_attention", None, "bidirectional attention")
     act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
     if model_type in GEMMAS and c.get("hidden_activation"):
         act = c["hidden_activation"]
@@ -122,17 +115,15 @@ def hf_config(c: LlamaConfig) -> dict:
 
 
 def entries(c: LlamaConfig, prefix: str = "model."):
-    """The :class:`~dpzero_jax.models.pretrained.Entry` table of a model with config ``c``."""
-    from dpzero_jax.models.pretrained import Entry, _same, _stacked
-
+    """The :class:`~dpzero_jax.models.hf_mapping.Entry` table of a model with config ``c``."""
     def linear(path, name, bias):
-        out = [Entry(f"{path}/kernel", (f"{name}.weight",), lambda w: w.T, lambda k: (np.ascontiguousarray(k.T),))]
-        return out + ([_same(f"{path}/bias", f"{name}.bias")] if bias else [])
+        return [transposed(f"{path}/kernel", f"{name}.weight")] + ([same(f"{path}/bias", f"{name}.bias")] if bias
+                                                                   else [])
 
     def layer(h, o):
         norms = ["input_layernorm", "post_attention_layernorm"]
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if c.sandwich_norms else []
-        out = [_same(f"{o}/{n}/scale", f"{h}.{n}.weight") for n in norms]
+        out = [same(f"{o}/{n}/scale", f"{h}.{n}.weight") for n in norms]
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out += linear(f"{o}/self_attn/{proj}", f"{h}.self_attn.{proj}", c.o_bias if proj == "o_proj"
                           else c.qkv_bias)
@@ -141,13 +132,9 @@ def entries(c: LlamaConfig, prefix: str = "model."):
         return out
 
     p = prefix
-    out = [_same("embed_tokens/embedding", f"{p}embed_tokens.weight")]
-    if c.scan_layers:
-        out += _stacked([layer(f"{p}layers.{i}", "layers") for i in range(c.num_hidden_layers)])
-    else:
-        for i in range(c.num_hidden_layers):
-            out += layer(f"{p}layers.{i}", f"layers/{i}")
-    out.append(_same("norm/scale", f"{p}norm.weight"))
+    out = [same("embed_tokens/embedding", f"{p}embed_tokens.weight")]
+    out += blocks(c.num_hidden_layers, c.scan_layers, f"{p}layers", "layers", layer)
+    out.append(same("norm/scale", f"{p}norm.weight"))
     if not c.tie_word_embeddings:
         out += linear("lm_head", "lm_head", False)
     return out

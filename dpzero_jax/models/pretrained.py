@@ -1,19 +1,14 @@
 """Hugging Face checkpoints <-> the models of this package (GPT-2, Llama / Mistral / Qwen2 / Gemma, BERT / RoBERTa,
-ViT), without torch. The Llama family's table and config checks are in :mod:`dpzero_jax.models.llama_hf`.
+ViT), without torch, driven by one table of architectures (:data:`ARCHITECTURE_TABLE`).
 
-:func:`from_pretrained` reads a ``save_pretrained`` directory (:mod:`dpzero_jax.hf`), checks that ``config.json``
-describes something these models compute exactly, maps every tensor onto a parameter (layouts below) and returns
-the model; :func:`save` writes the model back (``config.json`` + ``model.safetensors``) so that ``transformers``'
-``from_pretrained`` loads it. LoRA adapters are folded into their base weights on export.
-
-Layouts (Hugging Face -> here):
-
-* GPT-2's ``Conv1D`` weights are ``[in, out]`` already; ``c_attn`` ``[d, 3d]`` -> ``[d, 3, H, Dh]`` (q, k, v, then
-  heads), ``attn.c_proj`` ``[d, d]`` -> ``[H, Dh, d]``; the LM head is the word embedding when
-  ``tie_word_embeddings`` (the default: one array, exported once), else ``lm_head.weight`` ``[V, d]`` transposed.
-* BERT / RoBERTa / ViT ``nn.Linear`` weights are ``[out, in]`` and are transposed; ``query``, ``key`` and ``value``
-  are stacked into one ``c_attn`` ``[d, 3, H, Dh]``; ViT's patch convolution ``[d, C, P, P]`` becomes the linear map
-  on flattened ``(row, column, channel)`` patches, ``[P * P * C, d]``.
+:func:`from_pretrained` reads a ``save_pretrained`` directory (:mod:`dpzero_jax.hf`), finds the architecture of its
+``model_type``, checks that ``config.json`` describes something the model computes exactly, maps every tensor onto
+a parameter and returns the model; :func:`save` writes the model back (``config.json`` + ``model.safetensors``) so
+that ``transformers``' ``from_pretrained`` loads it. LoRA adapters are folded into their base weights on export.
+Each architecture's config checks and tensor layouts are in its mapping module (:mod:`~dpzero_jax.models.gpt2_hf`,
+:mod:`~dpzero_jax.models.llama_hf`, :mod:`~dpzero_jax.models.bert_hf`, :mod:`~dpzero_jax.models.vit_hf`), written
+with the helpers of :mod:`~dpzero_jax.models.hf_mapping`; adding one is an entry in the table, a model file and a
+mapping module.
 
 A task head (BERT's pooler and classifier, RoBERTa's classifier, ViT's classifier) may be missing from the
 checkpoint (e.g. ``BertModel`` weights) or have another number of labels than asked for: it is then initialised
@@ -29,7 +24,6 @@ import json
 import re
 import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -38,264 +32,43 @@ import numpy as np
 from flax import nnx
 
 from dpzero_jax import hf
-from dpzero_jax.models import llama_hf
-from dpzero_jax.models.bert import BertConfig, BertEncoder
-from dpzero_jax.models.gpt2 import GELUS, GPT2, GPT2Config
+from dpzero_jax.models import bert_hf, gpt2_hf, llama_hf, vit_hf
+from dpzero_jax.models.bert import BertEncoder
+from dpzero_jax.models.gpt2 import GPT2
+from dpzero_jax.models.hf_mapping import Architecture
 from dpzero_jax.models.llama import Llama
-from dpzero_jax.models.vit import ViT, ViTConfig
+from dpzero_jax.models.vit import ViT
 
-SUPPORTED = {"gpt2": GPT2, "bert": BertEncoder, "roberta": BertEncoder, "vit": ViT,
-             **{name: Llama for name in llama_hf.MODEL_TYPES}}
+# The architectures, one entry each: a new one is an entry here, its model file and its mapping module.
+ARCHITECTURE_TABLE: tuple[Architecture, ...] = (
+    Architecture(("gpt2",), GPT2, causal_lm=True, config=gpt2_hf.config_from_hf, entries=gpt2_hf.entries,
+                 hf_config=gpt2_hf.hf_config, prefixes=lambda model_type: ("transformer.",),
+                 export_prefix=lambda c: "transformer."),
+    Architecture(tuple(llama_hf.MODEL_TYPES), Llama, causal_lm=True,
+                 config=lambda c, model_type, scan_layers=None, num_labels=None: llama_hf.config_from_hf(
+                     c, True if scan_layers is None else scan_layers),
+                 entries=llama_hf.entries, hf_config=llama_hf.hf_config, prefixes=lambda model_type: ("model.",),
+                 export_prefix=lambda c: "model."),
+    Architecture(("bert", "roberta"), BertEncoder, causal_lm=False, config=bert_hf.config_from_hf,
+                 entries=bert_hf.entries, hf_config=bert_hf.hf_config,
+                 prefixes=lambda model_type: (f"{model_type}.",), export_prefix=lambda c: f"{c.model_type}.",
+                 num_labels=lambda c: c.num_labels),
+    Architecture(("vit",), ViT, causal_lm=False, config=vit_hf.config_from_hf, entries=vit_hf.entries,
+                 hf_config=vit_hf.hf_config, prefixes=lambda model_type: ("vit.",), export_prefix=lambda c: "vit.",
+                 num_labels=lambda c: c.num_classes, takes_dtype=False),
+)
+BY_MODEL_TYPE = {t: arch for arch in ARCHITECTURE_TABLE for t in arch.model_types}
+SUPPORTED = {t: arch.model for t, arch in BY_MODEL_TYPE.items()}
 ARCHITECTURES = "gpt2 (GPT2LMHeadModel, GPT2Model), llama / mistral / qwen2 / gemma / gemma2 (*ForCausalLM), " \
                 "bert / roberta (*ForSequenceClassification, *Model), vit (ViTForImageClassification, ViTModel)"
-CAUSAL_LM = ("gpt2", *llama_hf.MODEL_TYPES)   # the model_types that --task causal-lm loads
+CAUSAL_LM = tuple(t for t, arch in BY_MODEL_TYPE.items() if arch.causal_lm)   # the model_types --task causal-lm loads
 # tensors that are not weights (causal-mask buffers of old GPT-2 checkpoints, position-id buffers)
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|position_ids|rotary_emb\.inv_freq)$")
 
-__all__ = ["from_pretrained", "save", "SUPPORTED"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One parameter (``path``, ``/``-joined) from one or more checkpoint tensors (``names``)."""
-
-    path: str
-    names: tuple[str, ...]
-    to_ours: Callable
-    to_hf: Callable
-    head: bool = False          # part of the task head: may be missing (initialised afresh)
-
-
-def _same(path, name, head=False):
-    return Entry(path, (name,), lambda a: a, lambda w: (w,), head)
-
-
-def _conv1d(path, name, ours_shape, hf_shape):
-    """A GPT-2 ``Conv1D`` tensor: same memory order, reshaped."""
-    return Entry(path, (name,), lambda a: a.reshape(ours_shape), lambda w: (w.reshape(hf_shape),))
-
-
-def _qkv(path, prefix, d, heads):
-    """``query``, ``key``, ``value`` ``nn.Linear`` s -> one ``[d, 3, H, Dh]`` kernel and ``[3, H, Dh]`` bias."""
-    names = tuple(f"{prefix}.{n}" for n in ("query", "key", "value"))
-
-    def kernel(q, k, v):
-        return np.stack([q.T, k.T, v.T], axis=1).reshape(d, 3, heads, d // heads)
-
-    def kernel_hf(w):
-        w = w.reshape(d, 3, d)
-        return tuple(np.ascontiguousarray(w[:, i].T) for i in range(3))
-
-    def bias(q, k, v):
-        return np.stack([q, k, v]).reshape(3, heads, d // heads)
-
-    def bias_hf(b):
-        b = b.reshape(3, d)
-        return tuple(b[i] for i in range(3))
-    return [Entry(f"{path}/kernel", tuple(f"{n}.weight" for n in names), kernel, kernel_hf),
-            Entry(f"{path}/bias", tuple(f"{n}.bias" for n in names), bias, bias_hf)]
-
-
-def _out_proj(path, name, d, heads):
-    """An ``nn.Linear`` attention output ``[d, d]`` -> kernel ``[H, Dh, d]``."""
-    return [Entry(f"{path}/kernel", (f"{name}.weight",), lambda w: w.T.reshape(heads, d // heads, d),
-                  lambda k: (np.ascontiguousarray(k.reshape(d, d).T),)),
-            _same(f"{path}/bias", f"{name}.bias")]
-
-
-def _dense(path, name, head=False):
-    return [Entry(f"{path}/kernel", (f"{name}.weight",), lambda w: w.T, lambda k: (np.ascontiguousarray(k.T),),
-                  head),
-            _same(f"{path}/bias", f"{name}.bias", head)]
-
-
-def _norm(path, name):
-    return [_same(f"{path}/scale", f"{name}.weight"), _same(f"{path}/bias", f"{name}.bias")]
-
-
-# ---------------------------------------------------------------- GPT-2
-def _gpt2_config(c: dict, scan_layers: bool = False) -> GPT2Config:
-    _refuse(c, "add_cross_attention", False, "cross-attention")
-    _refuse(c, "scale_attn_weights", True, "unscaled attention")
-    _refuse(c, "scale_attn_by_inverse_layer_idx", False, "attention scaled by the inverse layer index")
-    act = c.get("activation_function", "gelu_new")
-    if act not in GELUS:
-        raise ValueError(f"config.json: activation_function {act!r} is not supported (one of {tuple(GELUS)})")
-    d = GPT2Config()
-    return GPT2Config(vocab_size=c.get("vocab_size", d.vocab_size), n_positions=c.get("n_positions", d.n_positions),
-                      n_embd=c.get("n_embd", d.n_embd), n_layer=c.get("n_layer", d.n_layer),
-                      n_head=c.get("n_head", d.n_head), n_inner=c.get("n_inner"),
-                      layer_norm_epsilon=float(c.get("layer_norm_epsilon", d.layer_norm_epsilon)),
-                      tie_word_embeddings=bool(c.get("tie_word_embeddings", True)), activation_function=act,
-                      scan_layers=scan_layers)
-
-
-def _gpt2_block(c: GPT2Config, h: str, o: str) -> list[Entry]:
-    """One block: checkpoint prefix ``h`` (``transformer.h.3``), parameter prefix ``o`` (``h/3``)."""
-    d, heads = c.n_embd, c.n_head
-    return _norm(f"{o}/ln_1", f"{h}.ln_1") + _norm(f"{o}/ln_2", f"{h}.ln_2") + [
-        _conv1d(f"{o}/attn/c_attn/kernel", f"{h}.attn.c_attn.weight", (d, 3, heads, d // heads), (d, 3 * d)),
-        _conv1d(f"{o}/attn/c_attn/bias", f"{h}.attn.c_attn.bias", (3, heads, d // heads), (3 * d,)),
-        _conv1d(f"{o}/attn/c_proj/kernel", f"{h}.attn.c_proj.weight", (heads, d // heads, d), (d, d)),
-        _same(f"{o}/attn/c_proj/bias", f"{h}.attn.c_proj.bias"),
-        _same(f"{o}/mlp/c_fc/kernel", f"{h}.mlp.c_fc.weight"),
-        _same(f"{o}/mlp/c_fc/bias", f"{h}.mlp.c_fc.bias"),
-        _same(f"{o}/mlp/c_proj/kernel", f"{h}.mlp.c_proj.weight"),
-        _same(f"{o}/mlp/c_proj/bias", f"{h}.mlp.c_proj.bias")]
-
-
-def _gpt2_entries(c: GPT2Config, prefix: str) -> list[Entry]:
-    p = prefix
-    out = [_same("wte/embedding", f"{p}wte.weight"), _same("wpe/embedding", f"{p}wpe.weight")]
-    if c.scan_layers:
-        out += _stacked([_gpt2_block(c, f"{p}h.{i}", "h") for i in range(c.n_layer)])
-    else:
-        for i in range(c.n_layer):
-            out += _gpt2_block(c, f"{p}h.{i}", f"h/{i}")
-    out += _norm("ln_f", f"{p}ln_f")
-    if not c.tie_word_embeddings:
-        out.append(Entry("lm_head/kernel", ("lm_head.weight",), lambda w: w.T,
-                         lambda k: (np.ascontiguousarray(k.T),)))
-    return out
-
-
-def _stacked(layers: list[list[Entry]]) -> list[Entry]:
-    """Entries of stacked blocks from each layer's entries (same paths, same order): the parameter is the layers'
-    values stacked on a new leading axis, read from (and written to) every layer's tensors."""
-    out = []
-    for same_path in zip(*layers):
-        widths = np.cumsum([0] + [len(e.names) for e in same_path])
-
-        def to_ours(*arrays, entries=same_path, widths=widths):
-            return np.stack([e.to_ours(*arrays[a:b]) for e, a, b in zip(entries, widths[:-1], widths[1:])])
-
-        def to_hf(w, entries=same_path):
-            return tuple(t for e, w_layer in zip(entries, w) for t in e.to_hf(w_layer))
-        out.append(Entry(same_path[0].path, tuple(n for e in same_path for n in e.names), to_ours, to_hf,
-                         same_path[0].head))
-    return out
-
-
-def _gpt2_hf_config(c: GPT2Config) -> dict:
-    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
-            "n_positions": c.n_positions, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-            "n_inner": c.n_inner, "layer_norm_epsilon": c.layer_norm_epsilon,
-            "tie_word_embeddings": c.tie_word_embeddings, "activation_function": c.activation_function,
-            "add_cross_attention": False, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
-
-
-# ---------------------------------------------------------------- BERT / RoBERTa
-def _bert_config(c: dict, model_type: str, num_labels: int) -> BertConfig:
-    _refuse(c, "is_decoder", False, "a decoder (causal) BERT")
-    _refuse(c, "add_cross_attention", False, "cross-attention")
-    _refuse(c, "position_embedding_type", "absolute", "relative position embeddings")
-    _refuse(c, "hidden_act", "gelu", "another activation than the exact GELU")
-    problem = c.get("problem_type")
-    if problem not in (None, "single_label_classification"):
-        raise ValueError(f"config.json: problem_type {problem!r} is not supported (single-label classification "
-                         f"with softmax cross-entropy only)")
-    d = BertConfig()
-    pad = c.get("pad_token_id")
-    if pad is None:
-        pad = 1 if model_type == "roberta" else 0
-    return BertConfig(vocab_size=c.get("vocab_size", d.vocab_size), hidden_size=c.get("hidden_size", d.hidden_size),
-                      num_hidden_layers=c.get("num_hidden_layers", d.num_hidden_layers),
-                      num_attention_heads=c.get("num_attention_heads", d.num_attention_heads),
-                      intermediate_size=c.get("intermediate_size", d.intermediate_size),
-                      max_position_embeddings=c.get("max_position_embeddings", d.max_position_embeddings),
-                      type_vocab_size=c.get("type_vocab_size", d.type_vocab_size),
-                      layer_norm_eps=float(c.get("layer_norm_eps", d.layer_norm_eps)), num_labels=num_labels,
-                      pad_token_id=int(pad), model_type=model_type)
-
-
-def _bert_entries(c: BertConfig, prefix: str) -> list[Entry]:
-    d, heads, p = c.hidden_size, c.num_attention_heads, prefix
-    out = [_same("word_embeddings/embedding", f"{p}embeddings.word_embeddings.weight"),
-           _same("position_embeddings/embedding", f"{p}embeddings.position_embeddings.weight"),
-           _same("token_type_embeddings/embedding", f"{p}embeddings.token_type_embeddings.weight")]
-    out += _norm("ln_embed", f"{p}embeddings.LayerNorm")
-    for i in range(c.num_hidden_layers):
-        h, o = f"{p}encoder.layer.{i}", f"layers/{i}"
-        out += _qkv(f"{o}/attn/c_attn", f"{h}.attention.self", d, heads)
-        out += _out_proj(f"{o}/attn/c_proj", f"{h}.attention.output.dense", d, heads)
-        out += _norm(f"{o}/ln_1", f"{h}.attention.output.LayerNorm")
-        out += _dense(f"{o}/mlp/c_fc", f"{h}.intermediate.dense") + _dense(f"{o}/mlp/c_proj", f"{h}.output.dense")
-        out += _norm(f"{o}/ln_2", f"{h}.output.LayerNorm")
-    if c.model_type == "roberta":
-        out += _dense("head/dense", "classifier.dense", head=True) + _dense("head/out_proj", "classifier.out_proj",
-                                                                           head=True)
-    else:
-        out += _dense("pooler", f"{p}pooler.dense", head=True) + _dense("head", "classifier", head=True)
-    return out
-
-
-def _bert_hf_config(c: BertConfig) -> dict:
-    name = "RobertaForSequenceClassification" if c.model_type == "roberta" else "BertForSequenceClassification"
-    return {"model_type": c.model_type, "architectures": [name], "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
-            "num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
-            "max_position_embeddings": c.max_position_embeddings, "type_vocab_size": c.type_vocab_size,
-            "layer_norm_eps": c.layer_norm_eps, "pad_token_id": c.pad_token_id, "hidden_act": "gelu",
-            "position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
-
-
-# ---------------------------------------------------------------- ViT
-def _vit_config(c: dict, num_labels: int) -> ViTConfig:
-    _refuse(c, "qkv_bias", True, "attention without query/key/value biases")
-    _refuse(c, "hidden_act", "gelu", "another activation than the exact GELU")
-    d = {"image_size": 224, "patch_size": 16, "num_channels": 3, "hidden_size": 768, "num_hidden_layers": 12,
-         "num_attention_heads": 12, "intermediate_size": 3072, "layer_norm_eps": 1e-12}  # HF ViTConfig defaults
-    values = {k: c.get(k, v) for k, v in d.items()}
-    for key in ("image_size", "patch_size"):
-        value = values[key]
-        if isinstance(value, (list, tuple)):
-            if len(set(value)) != 1:
-                raise ValueError(f"config.json: non-square {key} {value!r} is not supported")
-            values[key] = value[0]
-    return ViTConfig(image_size=values["image_size"], patch_size=values["patch_size"],
-                     num_channels=values["num_channels"], hidden_size=values["hidden_size"],
-                     num_hidden_layers=values["num_hidden_layers"],
-                     num_attention_heads=values["num_attention_heads"],
-                     intermediate_size=values["intermediate_size"], num_classes=num_labels,
-                     layer_norm_eps=float(values["layer_norm_eps"]))
-
-
-def _vit_entries(c: ViTConfig, prefix: str) -> list[Entry]:
-    d, heads, p, ps, ch = c.hidden_size, c.num_attention_heads, prefix, c.patch_size, c.num_channels
-    out = [Entry("patch_embed/proj/kernel", (f"{p}embeddings.patch_embeddings.projection.weight",),
-                 lambda w: w.transpose(2, 3, 1, 0).reshape(ps * ps * ch, d),
-                 lambda k: (np.ascontiguousarray(k.reshape(ps, ps, ch, d).transpose(3, 2, 0, 1)),)),
-           _same("patch_embed/proj/bias", f"{p}embeddings.patch_embeddings.projection.bias"),
-           Entry("cls_token/embedding", (f"{p}embeddings.cls_token",), lambda a: a.reshape(1, d),
-                 lambda e: (e.reshape(1, 1, d),)),
-           Entry("position/embedding", (f"{p}embeddings.position_embeddings",),
-                 lambda a: a.reshape(c.num_patches + 1, d), lambda e: (e.reshape(1, c.num_patches + 1, d),))]
-    for i in range(c.num_hidden_layers):
-        h, o = f"{p}encoder.layer.{i}", f"blocks/{i}"
-        out += _norm(f"{o}/ln_1", f"{h}.layernorm_before")
-        out += _qkv(f"{o}/attn/c_attn", f"{h}.attention.attention", d, heads)
-        out += _out_proj(f"{o}/attn/c_proj", f"{h}.attention.output.dense", d, heads)
-        out += _norm(f"{o}/ln_2", f"{h}.layernorm_after")
-        out += _dense(f"{o}/mlp/c_fc", f"{h}.intermediate.dense") + _dense(f"{o}/mlp/c_proj", f"{h}.output.dense")
-    out += _norm("ln", f"{p}layernorm") + _dense("head", "classifier", head=True)
-    return out
-
-
-def _vit_hf_config(c: ViTConfig) -> dict:
-    return {"model_type": "vit", "architectures": ["ViTForImageClassification"], "image_size": c.image_size,
-            "patch_size": c.patch_size, "num_channels": c.num_channels, "hidden_size": c.hidden_size,
-            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-            "intermediate_size": c.intermediate_size, "layer_norm_eps": c.layer_norm_eps, "hidden_act": "gelu",
-            "qkv_bias": True}
+__all__ = ["from_pretrained", "save", "SUPPORTED", "ARCHITECTURE_TABLE"]
 
 
 # ---------------------------------------------------------------- loading
-def _refuse(config: dict, key: str, supported, what: str) -> None:
-    value = config.get(key, supported)
-    if value != supported:
-        raise ValueError(f"config.json: {key}={value!r} ({what}) is not supported; only {key}={supported!r}")
-
-
 def _normalise(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Old BERT checkpoints name LayerNorm parameters ``gamma`` / ``beta``."""
     out = {}
@@ -364,7 +137,8 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
     if model_type not in SUPPORTED:
         raise ValueError(f"{Path(path) / hf.CONFIG}: model_type {model_type!r} is not supported; supported "
                          f"architectures: {ARCHITECTURES}")
-    cls = SUPPORTED[model_type]
+    arch = BY_MODEL_TYPE[model_type]
+    cls = arch.model
     if expect is not None and cls is not expect:
         raise ValueError(f"{path} holds a {model_type} checkpoint: load it with dz.models.{cls.__name__}"
                          f".from_pretrained (or dz.models.from_pretrained)")
@@ -373,17 +147,11 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
         raise ValueError(f"num_labels must be a positive int, got {num_labels!r}")
     state = _normalise(hf.read_state_dict(path))
     reinit_head, checkpoint_labels = False, None
-    if cls in (GPT2, Llama) and (num_labels is not None or id2label is not None):
-        raise ValueError(f"{model_type} is loaded as a causal language model: num_labels and id2label do not apply")
-    if cls is Llama:
-        config = dataclasses.replace(llama_hf.config_from_hf(hf_config, True if scan_layers is None else scan_layers),
-                                     remat=remat)
-        entries = llama_hf.entries(config, _prefix(state, ("model.",)))
-        build = functools.partial(Llama, config, dtype=dtype)
-    elif cls is GPT2:
-        config = dataclasses.replace(_gpt2_config(hf_config, bool(scan_layers)), remat=remat)
-        entries = _gpt2_entries(config, _prefix(state, ("transformer.",)))
-        build = functools.partial(GPT2, config, dtype=dtype)
+    if arch.causal_lm:
+        if num_labels is not None or id2label is not None:
+            raise ValueError(f"{model_type} is loaded as a causal language model: num_labels and id2label do not "
+                             "apply")
+        config = dataclasses.replace(arch.config(hf_config, model_type, scan_layers=scan_layers), remat=remat)
     else:
         if scan_layers or remat != "none":
             raise ValueError(f"scan_layers and remat apply to decoders only; {path} holds a {model_type} checkpoint")
@@ -392,16 +160,11 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
             num_labels = len(id2label) if id2label is not None else checkpoint_labels
         reinit_head = num_labels != checkpoint_labels
         _labels(hf_config, num_labels, id2label)
-        if cls is BertEncoder:
-            config = _bert_config(hf_config, model_type, num_labels)
-            entries = _bert_entries(config, _prefix(state, (f"{model_type}.",)))
-            build = functools.partial(BertEncoder, config, dtype=dtype)
-        else:
-            if dtype is not None:
-                raise ValueError("ViT takes its compute dtype from its input images: dtype does not apply")
-            config = _vit_config(hf_config, num_labels)
-            entries = _vit_entries(config, _prefix(state, ("vit.",)))
-            build = functools.partial(ViT, config)
+        config = arch.config(hf_config, model_type, num_labels=num_labels)
+    if not arch.takes_dtype and dtype is not None:
+        raise ValueError(f"{cls.__name__} takes its compute dtype from its inputs: dtype does not apply")
+    entries = arch.entries(config, _prefix(state, arch.prefixes(model_type)))
+    build = functools.partial(cls, config, **({"dtype": dtype} if arch.takes_dtype else {}))
 
     model = nnx.eval_shape(lambda: build(rngs=nnx.Rngs(params=seed)))
     nodes = _param_nodes(model)
@@ -434,7 +197,7 @@ def load(path, *, expect=None, num_labels=None, id2label=None, dtype=None, seed:
         listing = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"{path}: the checkpoint lacks tensors a {model_type} model with this config.json needs: "
                          f"{listing}")
-    if cls in (GPT2, Llama) and config.tie_word_embeddings and "lm_head.weight" in state:
+    if arch.causal_lm and config.tie_word_embeddings and "lm_head.weight" in state:
         used.add("lm_head.weight")  # tied: the head is the word embedding (transformers ignores this copy too)
     unused = sorted(n for n in state if n not in used and not _BUFFERS.search(n))
     if unused:
@@ -466,26 +229,16 @@ def save(model: nnx.Module, path, *, max_shard_bytes: int = hf.MAX_SHARD_BYTES):
     from dpzero_jax import peft, rundir
 
     model = peft.merge_lora(model)
-    if isinstance(model, GPT2):
-        c = model.config
-        entries, derived = _gpt2_entries(c, "transformer."), _gpt2_hf_config(c)
-    elif isinstance(model, Llama):
-        c = model.config
-        entries, derived = llama_hf.entries(c), llama_hf.hf_config(c)
-    elif isinstance(model, BertEncoder):
-        c = model.config
-        entries, derived = _bert_entries(c, f"{c.model_type}."), _bert_hf_config(c)
-        num_labels = c.num_labels
-    elif isinstance(model, ViT):
-        c = model.config
-        entries, derived = _vit_entries(c, "vit."), _vit_hf_config(c)
-        num_labels = c.num_classes
-    else:
-        raise TypeError(f"save_pretrained supports GPT2, Llama, BertEncoder and ViT, not {type(model).__name__}")
+    arch = next((a for a in ARCHITECTURE_TABLE if isinstance(model, a.model)), None)
+    if arch is None:
+        names = ", ".join(a.model.__name__ for a in ARCHITECTURE_TABLE)
+        raise TypeError(f"save_pretrained supports {names}, not {type(model).__name__}")
+    c = model.config
+    entries = arch.entries(c, arch.export_prefix(c))
     hf_config = json.loads(model.hf_config) if getattr(model, "hf_config", None) else {}
-    hf_config.update(derived)
-    if not isinstance(model, (GPT2, Llama)):
-        _labels(hf_config, num_labels, None)
+    hf_config.update(arch.hf_config(c))
+    if not arch.causal_lm:
+        _labels(hf_config, arch.num_labels(c), None)
     hf_config.pop("torch_dtype", None)
     hf_config["dtype"] = "float32"
     values = {name: np.asarray(node.get_value(), np.float32) for name, node in _param_nodes(model).items()}
@@ -500,12 +253,3 @@ def save(model: nnx.Module, path, *, max_shard_bytes: int = hf.MAX_SHARD_BYTES):
     with tempfile.TemporaryDirectory(prefix="dpzero-export-") as local:
         hf.write_checkpoint(local, hf_config, tensors, max_shard_bytes=max_shard_bytes)
         return rundir.upload_directory(Path(local), path)
-
-
-def bert_max_length(hf_config: dict, model_type: str) -> int:
-    """The longest sequence a BERT / RoBERTa ``config.json`` has positions for."""
-    positions = int(hf_config.get("max_position_embeddings", 512))
-    if model_type != "roberta":
-        return positions
-    pad = hf_config.get("pad_token_id")
-    return positions - (1 if pad is None else int(pad)) - 1
