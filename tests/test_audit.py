@@ -104,18 +104,6 @@ def _audit(tmp_path, audit_config=None, **overrides):
     return audit(cfg, audit_config or AuditConfig(canaries=M))
 
 
-def test_sound_at_epsilon_3_with_both_kinds_of_canaries(tmp_path):
-    report = _audit(tmp_path, AuditConfig(canaries=M, input_canaries=100), epsilon=3.0)
-    assert report.epsilon == pytest.approx(3.0, rel=1e-3)
-    assert set(report.results) == {"gradient", "input"}
-    for kind, res in report.results.items():
-        assert 0.0 <= res["epsilon_lower_bound"] <= report.epsilon, (kind, res)
-    assert not report.violated
-    saved = json.loads((tmp_path / "run" / "audit.json").read_text())
-    assert saved["results"]["gradient"]["correct"] == report.results["gradient"]["correct"]
-    assert "eps lower bound" in report.table()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [dict(epsilon=1.0), dict(epsilon=8.0), dict(epsilon=3.0, groups="layer-wise"),
                                        dict(epsilon=3.0, devices=8)],
@@ -185,17 +173,32 @@ def test_white_box_catches_a_broken_mechanism_slow(tmp_path, monkeypatch, varian
     test_white_box_catches_a_broken_mechanism(tmp_path, monkeypatch, variant)
 
 
-def test_cli_audit_prints_json_and_writes_audit_json(tmp_path, capsys):
+def test_sound_at_epsilon_3_with_both_kinds_of_canaries_from_the_cli(tmp_path, capsys):
+    """``dpzero audit --json``: the real mechanism at epsilon 3, gradient and input canaries; the printed JSON is
+    audit.json; both lower bounds within [0, epsilon]."""
     from dpzero_jax.cli import main
 
     out = tmp_path / "cli"
-    code = main(["audit", "--epsilon", "2", "--steps", "5", "--batch-size", "64", "--hidden", "8", "--canaries", "32",
-                 "--checkpoint-every", "0", "--no-progress", "--out", str(out), "--json", "--confidence", "0.9"])
+    code = main(["audit", "--epsilon", "3", "--steps", "30", "--batch-size", "128", "--hidden", "16", "--lr", "0.01",
+                 "--canaries", str(M), "--input-canaries", "100", "--checkpoint-every", "0", "--eval-every", "0",
+                 "--no-progress", "--out", str(out), "--json"])
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads((out / "audit.json").read_text())
-    res = printed["results"]["gradient"]
-    assert res["canaries"] == 32 and printed["confidence"] == 0.9 and printed["steps"] == 5
-    assert 0.0 <= res["epsilon_lower_bound"] <= printed["epsilon"]
+    assert printed["epsilon"] == pytest.approx(3.0, rel=1e-3) and printed["confidence"] == 0.95
+    assert printed["steps"] == 30 and set(printed["results"]) == {"gradient", "input"}
+    for kind, res in printed["results"].items():
+        assert res["canaries"] == (M if kind == "gradient" else 100)
+        assert 0.0 <= res["epsilon_lower_bound"] <= printed["epsilon"], (kind, res)
+        assert res["correct"] <= res["guesses"] == max(res["by_guesses"], key=lambda r: r["epsilon_lower_bound"])[
+            "guesses"]
     assert main(["audit", "--canaries", "0", "--out", str(tmp_path / "none")]) == 2
     assert "nothing to audit" in capsys.readouterr().err
+
+
+def test_report_table_names_the_columns():
+    report = audit_lib.AuditReport(epsilon=1.0, delta=1e-5, confidence=0.95, steps=3, noise_multiplier=1.0,
+                                   sampling_rate=0.1, results={"gradient": guess_and_bound(
+                                       np.arange(8.0), np.arange(8) >= 4, 1e-5, 0.95)})
+    assert "eps lower bound" in report.table() and "accountant eps" in report.table()
+    assert report.violated == (report.results["gradient"]["epsilon_lower_bound"] > 1.0)
