@@ -401,7 +401,7 @@ def audit(config, audit_config: AuditConfig | None = None) -> AuditReport:
     """Run ``config`` (a :class:`dpzero_jax.train.TrainConfig`: Poisson sampling, DP on) once with the canaries of
     ``audit_config`` and bound its epsilon from below. Writes ``audit.json`` into the run's ``out``."""
     from dpzero_jax import models
-    from dpzero_jax.train import Trainer
+    from dpzero_jax.train import Trainer, _progress_bar_class
 
     audit_config = AuditConfig() if audit_config is None else audit_config
     if config.no_dp or config.sampling != "poisson":
@@ -426,15 +426,22 @@ def audit(config, audit_config: AuditConfig | None = None) -> AuditReport:
     trainer = Trainer(config, canaries=both)
     if gradient is not None:   # traced only in run(): the rate is read then
         gradient.sampling_rate = trainer.sampling_rate
-    result = trainer.run()
-    results = {}
+    result = trainer.run()   # the trainer's progress bar shows the run
+    scores = {}
     if gradient is not None:
-        results["gradient"] = guess_and_bound(scores_of(result.opt_state), gradient.included, config.delta,
-                                              audit_config.confidence, audit_config.guesses)
+        scores["gradient"] = (scores_of(result.opt_state), gradient.included)
     if inputs is not None:
         _, apply_fn = models.logits_fn(trainer.model, trainable=trainer.trainable)
-        results["input"] = guess_and_bound(inputs.scores(apply_fn, result.params), inputs.included, config.delta,
-                                           audit_config.confidence, audit_config.guesses)
+        scores["input"] = (inputs.scores(apply_fn, result.params), inputs.included)
+    results = {}
+    bar = _progress_bar_class(config.progress)(total=len(scores), desc="audit bounds", disable=not config.progress)
+    try:
+        for kind, (values, included) in scores.items():
+            results[kind] = guess_and_bound(values, included, config.delta, audit_config.confidence,
+                                            audit_config.guesses)
+            bar.update(1)
+    finally:
+        bar.close()
     report = AuditReport(epsilon=float(result.epsilon), delta=config.delta, confidence=audit_config.confidence,
                          steps=result.steps, noise_multiplier=float(result.noise_multiplier),
                          sampling_rate=float(result.sampling_rate), results=results,
