@@ -2,6 +2,7 @@
 
 ``dpzero privacy --noise-multiplier S --sampling-rate Q --steps N --delta D`` prints epsilon;
 ``dpzero privacy --epsilon E --sampling-rate Q --steps N --delta D`` prints the noise multiplier that reaches it.
+``dpzero audit [train flags] [--canaries M ...]`` audits one such run (:mod:`dpzero_jax.audit`).
 ``dpzero train [flags]`` runs DP training (defaults: MLP on scikit-learn digits at epsilon 3; ``--model hf:PATH
 --task causal-lm|classification --data FILE`` fine-tunes a Hugging Face checkpoint on text); ``--config FILE``
 (JSON or YAML, keys as in ``dpzero_jax.train.TrainConfig``) sets defaults that flags override.
@@ -69,6 +70,7 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
                          help="N: also size the Poisson batch cap as `dpzero train` does and include the charge "
                               "for truncated batches (q * N is the expected batch)")
     _add_train_parser(commands, train_flags)
+    _add_audit_parser(commands, train_flags)
     planner.add_parser(commands)
     return parser
 
@@ -133,12 +135,13 @@ def _hidden(text: str):
     return widths
 
 
-def _add_train_parser(commands, with_flags: bool = True) -> None:
+def _add_train_parser(commands, with_flags: bool = True, name: str = "train",
+                      help: str = "train a model with DP-SGD (default: MLP on digits, epsilon 3)",
+                      resumable: bool = True):
     # every default is None (SUPPRESS): unset flags fall back to --config, then to TrainConfig's defaults
-    train = commands.add_parser("train", help="train a model with DP-SGD (default: MLP on digits, epsilon 3)",
-                                argument_default=argparse.SUPPRESS)
+    train = commands.add_parser(name, help=help, argument_default=argparse.SUPPRESS)
     if not with_flags:
-        return
+        return train
     from dpzero_jax.config import MODES
     from dpzero_jax.models.gpt2 import REMAT
 
@@ -246,15 +249,40 @@ def _add_train_parser(commands, with_flags: bool = True) -> None:
                             "backward pass (per example its tokens under DP; the batch's rows with --no-dp)")
     train.add_argument("--rmm-diagnostics-every", type=_non_negative_int("--rmm-diagnostics-every"),
                        help="log D2_SGD, D2_RMM and alpha of each RMM layer every N steps (0: never)")
-    resume = train.add_mutually_exclusive_group()
-    resume.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in --out (an error if there is none)")
-    resume.add_argument("--resume-or-start", action="store_true",
-                        help="resume if --out holds a checkpoint, else start a new run there")
+    resume = train.add_mutually_exclusive_group() if resumable else None   # an audit is one fresh run
+    if resume is not None:
+        resume.add_argument("--resume", action="store_true",
+                            help="continue from the latest checkpoint in --out (an error if there is none)")
+        resume.add_argument("--resume-or-start", action="store_true",
+                            help="resume if --out holds a checkpoint, else start a new run there")
     train.add_argument("--allow-large-delta", action="store_true",
                        help="accept delta above 1/n (n training examples); recorded in the summary")
     train.add_argument("--no-progress", dest="progress", action="store_false")
     _show_defaults(train)
+    return train
+
+
+def _add_audit_parser(commands, with_flags: bool = True) -> None:
+    """``dpzero audit``: the training flags (the run audited) and the audit's own (:mod:`dpzero_jax.audit`)."""
+    audit = _add_train_parser(commands, with_flags, "audit", resumable=False,
+                              help="one-run privacy audit of a training configuration: an empirical epsilon lower "
+                              "bound from canaries (Steinke, Nasr, Jagielski 2023)")
+    if not with_flags:
+        return
+    group = audit.add_argument_group("audit")
+    group.add_argument("--canaries", type=_non_negative_int("--canaries"), default=1000,
+                       help="white-box gradient canaries m (default 1000; 0: none)")
+    group.add_argument("--input-canaries", type=_non_negative_int("--input-canaries"), default=0,
+                       help="black-box input canaries: held-out examples with wrong labels (default 0)")
+    group.add_argument("--confidence", type=_unit_interval("--confidence", closed_right=False), default=0.95,
+                       help="confidence of the lower bound (default 0.95)")
+    group.add_argument("--canary-norm", type=_positive_float("--canary-norm"),
+                       help="a gradient canary's norm before clipping, in multiples of the threshold (default 10; "
+                            "0.99 with --clip-fn global)")
+    group.add_argument("--audit-seed", type=_non_negative_int("--audit-seed"), default=0,
+                       help="seed of the canaries' inclusion (default 0)")
+    group.add_argument("--json", dest="audit_json", action="store_true",
+                       help="print the report as JSON instead of a table (audit.json is written into --out anyway)")
 
 
 def _show_defaults(parser) -> None:
@@ -343,16 +371,38 @@ def _load_config_file(path: str) -> dict:
 def _train(args) -> str:
     from dpzero_jax.train import TrainConfig, Trainer
 
+    values, resume = _train_values(vars(args).copy())
+    result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
+    exported = f"\nHugging Face checkpoint in {values['export']}" if values.get("export") else ""
+    return result.summary() + f"\noutputs in {result.out}" + exported
+
+
+def _audit(args) -> str:
+    from dpzero_jax.audit import AuditConfig, audit
+    from dpzero_jax.train import TrainConfig
+
     options = vars(args).copy()
+    audit_config = AuditConfig(canaries=options.pop("canaries"), input_canaries=options.pop("input_canaries"),
+                               confidence=options.pop("confidence"), canary_norm=options.pop("canary_norm", None),
+                               seed=options.pop("audit_seed"))
+    as_json = options.pop("audit_json", False)
+    values, _ = _train_values(options)
+    report = audit(TrainConfig.from_dict(values), audit_config)
+    return report.to_json() if as_json else report.table()
+
+
+def _train_values(options: dict) -> tuple[dict, bool | str]:
+    """``(TrainConfig values, resume)`` from the parsed train flags (``--config`` file first, flags over it)."""
     options.pop("command")
     resume = "or-start" if options.pop("resume_or_start", False) else options.pop("resume", False)
     options.pop("resume", None)
-    values = _load_config_file(options.pop("config")) if "config" in options else {}
+    config_file = options.pop("config", None)
+    values = _load_config_file(config_file) if config_file is not None else {}
     values = {str(k).replace("-", "_"): v for k, v in values.items()}
     # the file on its own must be consistent (noise_multiplier / epsilon / no_dp exclusive, real booleans) ...
     from dpzero_jax.validation import check_privacy_options
 
-    check_privacy_options(values, f"--config {args.config}" if "config" in vars(args) else "TrainConfig")
+    check_privacy_options(values, f"--config {config_file}" if config_file is not None else "TrainConfig")
     # ... and a privacy flag on the command line replaces the file's privacy choice
     for flag in ("epsilon", "noise_multiplier", "no_dp"):
         if flag in options:
@@ -364,9 +414,7 @@ def _train(args) -> str:
         values["steps"] = None
     values.update(options)
     _infer_task(values)
-    result = Trainer(TrainConfig.from_dict(values)).run(resume=resume)
-    exported = f"\nHugging Face checkpoint in {values['export']}" if values.get("export") else ""
-    return result.summary() + f"\noutputs in {result.out}" + exported
+    return values, resume
 
 
 def _infer_task(values: dict) -> None:
@@ -392,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_privacy(args))
         elif args.command == "train":
             print(_train(args))
+        elif args.command == "audit":
+            print(_audit(args))
         elif args.command == "plan":
             print(planner.run(args))
     except (ValueError, FileExistsError, FileNotFoundError, ImportError, RuntimeError) as error:

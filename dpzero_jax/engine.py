@@ -631,7 +631,8 @@ def split_aux(loss_fn: Callable, has_aux: bool) -> tuple[Callable, Callable | No
     return losses_only, aux_of
 
 
-def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = False) -> Callable:
+def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = False,
+                           clipped_sum_hook: Callable | None = None) -> Callable:
     """Transform ``loss_fn(params, batch) -> [B]`` into a differentially private gradient function.
 
     Returns ``fn(params, batch, key, mask=None) -> (losses [B], grads, stats: DPStats)`` with
@@ -641,6 +642,11 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
 
     ``has_aux=True``: ``loss_fn`` returns ``(losses [B], aux)`` and ``fn`` returns ``((losses, aux), grads, stats)``
     (as ``jax.value_and_grad(..., has_aux=True)`` does); see :func:`split_aux` for how the aux is computed.
+
+    ``clipped_sum_hook(clipped_sum, key, plan) -> clipped_sum``: the one seam of a privacy audit
+    (:mod:`dpzero_jax.audit`), called between the clipped sum and the noise with the noise key and the plan (its
+    ``paths``, ``group_of`` and ``thresholds``); it adds the clipped contributions of the step's gradient canaries
+    exactly, as examples of the batch would. ``None`` (default): nothing is added.
     """
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
@@ -649,7 +655,10 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
     def private_grad(params, batch, key, mask=None):
         plan, result, stats = _clip(losses_fn, cfg, params, batch, mask)
         divisor = cfg.expected_batch_size or plan.batch_size
-        grads = noise.privatize(result.clipped_sum, key, cfg.noise_multiplier, clipping.l2_sensitivity(plan.thresholds),
+        clipped_sum = result.clipped_sum
+        if clipped_sum_hook is not None:
+            clipped_sum = clipped_sum_hook(clipped_sum, key, plan)
+        grads = noise.privatize(clipped_sum, key, cfg.noise_multiplier, clipping.l2_sensitivity(plan.thresholds),
                                 divisor, cfg.noise_rng)
         if aux_of is not None:
             return (result.losses, aux_of(params, batch)), grads, stats

@@ -694,10 +694,20 @@ class Trainer:
     ``config.steps`` (or only up to ``stop_at``, for interrupted runs) and returns a :class:`TrainResult`.
     """
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, *, canaries=None):
+        """``canaries``: the seam of a privacy audit (:mod:`dpzero_jax.audit`; None for training), an object with
+        ``extend(train, test) -> (train, test)`` (input canaries added to the training data before anything is sized
+        from it), ``insert(clipped_sum, noise_key, plan) -> clipped_sum`` (gradient canaries added to the clipped sum
+        before the noise: :func:`dpzero_jax.private_value_and_grad`'s ``clipped_sum_hook``) and ``observer() ->
+        optax.GradientTransformation`` (chained before the optimiser: it sees the noised gradient and keeps the
+        canaries' scores in its state). Only with DP, the ``gspmd`` strategy and no RMM layers."""
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
+        self.canaries = canaries
+        if canaries is not None and (cfg.no_dp or cfg.strategy == "explicit" or cfg.rmm != "none"):
+            raise ValueError("canaries (a privacy audit) need a private run with the gspmd strategy and no RMM "
+                             f"layers; got no_dp={cfg.no_dp}, strategy={cfg.strategy!r}, rmm={cfg.rmm!r}")
         self.out = rundir.as_path(cfg.out)   # an epath.Path: local or gs:// ...
         request_cpu_devices(cfg)   # before JAX's first operation, if this is it
         init_distributed(cfg)
@@ -705,6 +715,8 @@ class Trainer:
         self.mesh = _make_mesh(cfg)
         self.rules = None if self.mesh is None else sharding.ShardingRules(self.mesh, cfg.zero)
         self.train_data, self.test_data, self.label_names = _load_data(cfg)
+        if canaries is not None:
+            self.train_data, self.test_data = canaries.extend(self.train_data, self.test_data)
         n = next(iter(self.train_data.values())).shape[0]
         if cfg.batch_size > n:
             raise ValueError(f"batch_size={cfg.batch_size} exceeds the training set size {n}")
@@ -798,6 +810,8 @@ class Trainer:
                         else jax.tree.map(_to_global, frozen, self._frozen_shardings))
         self.learning_rate = optim.learning_rate_schedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, self.steps)
         self.tx = optim.make_optimizer(cfg.optimizer, self.learning_rate, cfg.weight_decay)
+        if canaries is not None:   # the audit's scores see the noised gradient, as the optimiser does
+            self.tx = optax.chain(canaries.observer(), self.tx)
         self._build_step(loss_fn, apply_fn, loss_for_key)
         if "input_ids" in self.train_data:
             self._evaluate_text = _text_evaluator(self._bind_frozen(apply_fn), cfg.task)
@@ -877,9 +891,12 @@ class Trainer:
                               expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
                               norm_kernel=cfg.norm_kernel, noise_rng="partitionable")
 
+            hook = None if self.canaries is None else self.canaries.insert
+
             def gradient(params, batch, key, mask, frozen):
                 loss = functools.partial(bind(loss_for_key(key)), frozen=frozen)
-                losses, grads, _ = private_value_and_grad(loss, dp_cfg)(params, batch, key, mask)
+                losses, grads, _ = private_value_and_grad(loss, dp_cfg, clipped_sum_hook=hook)(params, batch, key,
+                                                                                                mask)
                 return losses, grads
 
         if self.rules is not None and cfg.strategy == "explicit":
