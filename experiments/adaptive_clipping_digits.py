@@ -44,19 +44,23 @@ def main() -> None:
     parser.add_argument("--initial", type=float, nargs="+", default=[100.0, 0.001])
     parser.add_argument("--quantile", type=float, default=0.5)
     parser.add_argument("--clip-lr", type=float, nargs="+", default=[0.2])
+    parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    parser.add_argument("--lr", type=float, default=1e-2, help="the optimizer's learning rate")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
     seeds = range(args.seeds)
+    common = {"optimizer": args.optimizer, "lr": args.lr}
     rows = []
     for r in args.fixed:
         rows.append({"name": f"fixed R={r:g}", "max_grad_norm": r, "clip_quantile": None,
-                     "runs": [run(s, max_grad_norm=r) for s in seeds]})
+                     "runs": [run(s, max_grad_norm=r, **common) for s in seeds]})
         print(rows[-1]["name"], [x["test_accuracy"] for x in rows[-1]["runs"]], flush=True)
     for lr in args.clip_lr:
         for r in args.initial:
             rows.append({"name": f"adaptive q={args.quantile:g} lr={lr:g} from R={r:g}", "max_grad_norm": r,
                          "clip_quantile": args.quantile, "clip_lr": lr,
-                         "runs": [run(s, max_grad_norm=r, clip_quantile=args.quantile, clip_lr=lr) for s in seeds]})
+                         "runs": [run(s, max_grad_norm=r, clip_quantile=args.quantile, clip_lr=lr, **common)
+                                  for s in seeds]})
             print(rows[-1]["name"], [x["test_accuracy"] for x in rows[-1]["runs"]], flush=True)
     for row in rows:
         row["mean_test_accuracy"] = statistics.fmean(x["test_accuracy"] for x in row["runs"])
@@ -69,7 +73,8 @@ def main() -> None:
         print(f"{row['name']:<40} {100 * row['mean_test_accuracy']:>20.2f}% {gap:>+18.2f} "
               f"{'' if final is None else f'{final[0]:.3g}':>10}")
     report = {"tuned": tuned["name"], "seeds": args.seeds, "epsilon": rows[0]["runs"][0]["epsilon"], "rows": rows,
-              "config": "TrainConfig defaults (digits, MLP 128, batch 256, 30 epochs, epsilon 3, delta 1e-5)"}
+              "config": "TrainConfig defaults (digits, MLP 128, batch 256, 30 epochs, epsilon 3, delta 1e-5)",
+              "optimizer": args.optimizer, "lr": args.lr}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
