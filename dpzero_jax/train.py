@@ -493,6 +493,10 @@ class TrainResult:
                             f"delta{within})")
         if self.large_delta and self.noise_multiplier is not None:
             privacy += " [delta > 1/n: allowed by --allow-large-delta]"
+        if self.clip_thresholds is not None:
+            privacy += (f"  adaptive clipping: gradient sigma {self.gradient_noise_multiplier:.4f}, count sigma "
+                        f"{self.count_noise_multiplier:.4g}, final thresholds "
+                        f"{', '.join(f'{t:.4g}' for t in self.clip_thresholds)}")
         if self.task == "causal-lm":
             quality = f"test loss {self.test_loss:.4f}  test perplexity {self.test_perplexity:.2f}"
         else:

@@ -116,6 +116,23 @@ def test_same_batch_composition_is_one_gaussian_at_sigma():
     assert accounting.PrivacyLedger.from_dict(ledger.to_dict()) == ledger
 
 
+def test_fixed_size_ledger_halves_both_parts():
+    """Fixed-size batches (replace-one adjacency): the gradient's and the counts' sensitivities both double, so the
+    ledger's event is the two halved Gaussians composed inside one sampling without replacement."""
+    sigma, z_b, n, m, steps, delta = 1.2, 5.0, 1000, 50, 40, 1e-5
+    ledger = accounting.PrivacyLedger()
+    ledger.record(sigma, sampling="fixed-size", dataset_size=n, batch_size=m, steps=steps, count_noise_multiplier=z_b)
+    z_g = (sigma ** -2 - z_b ** -2) ** -0.5
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.SampledWithoutReplacementDpEvent(
+        n, m, dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z_g / 2),
+                                             dp_accounting.GaussianDpEvent(z_b / 2)])), steps)
+    acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    acc.compose(event)
+    assert ledger.epsilon(delta, "rdp") == pytest.approx(acc.get_epsilon(delta), rel=1e-9)
+    with pytest.raises(ValueError, match="must exceed"):
+        ledger.record(sigma, 0.1, count_noise_multiplier=1.0)
+
+
 @pytest.fixture(scope="module")
 def adaptive_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("adaptive")
@@ -199,15 +216,17 @@ def _problem():
     return loss_fn, params, batch
 
 
-@pytest.mark.parametrize("mode", ["bk", "ghost", "fused", "vmap"])
-def test_traced_thresholds_in_every_engine_mode(mode):
+@pytest.mark.parametrize("mode, front_end", [("bk", "layers"), ("ghost", "layers"), ("fused", "layers"),
+                                             ("vmap", "layers"), ("bk", "program"), ("ghost", "program")])
+def test_traced_thresholds_in_every_engine_mode(mode, front_end):
     """Thresholds given at call time (traced under jit) give exactly the gradient of the same thresholds fixed in
     the config, in each mode, with per-layer groups (M = 2); the norms the count uses are the vmap reference's."""
     loss_fn, params, batch = _problem()
     mask = jnp.arange(12) < 10
     thresholds = np.asarray([0.3, 0.05], np.float32)
     key = jax.random.key(3)
-    cfg = DPConfig(noise_multiplier=0.7, groups="layer-wise", mode=mode, noise_rng="partitionable")
+    cfg = DPConfig(noise_multiplier=0.7, groups="layer-wise", mode=mode, noise_rng="partitionable",
+                   front_end=front_end)
     traced = jax.jit(lambda p, t: private_value_and_grad(loss_fn, cfg)(p, batch, key, mask, thresholds=t))
     _, grads, stats = traced(params, jnp.asarray(thresholds))
     fixed = private_value_and_grad(loss_fn, cfg.replace(group_thresholds=tuple(thresholds.tolist())))
@@ -215,7 +234,8 @@ def test_traced_thresholds_in_every_engine_mode(mode):
     for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(stats.clip_factors, fixed_stats.clip_factors, rtol=1e-6)
-    reference = private_value_and_grad(loss_fn, cfg.replace(mode="vmap"))(params, batch, key, mask)[2]
+    reference = private_value_and_grad(loss_fn, cfg.replace(mode="vmap", front_end="layers"))(
+        params, batch, key, mask)[2]
     np.testing.assert_allclose(stats.norms, reference.norms, rtol=1e-5)
     assert stats.norms.shape == (12, 2)
     with pytest.raises(ValueError, match=r"thresholds must have shape \[M\] = \(2,\)"):
@@ -252,3 +272,16 @@ def test_layer_wise_groups_adapt_separately(tmp_path):
     assert len(names) == 2 and len({row[k] for k in names}) == 2
     # M = 2: the count vector's sensitivity is sqrt(2)/2, so z_b = 2 sigma_b / sqrt(2)
     assert result.count_noise_multiplier == pytest.approx(2 * (64 / 20) / math.sqrt(2))
+
+
+def test_cli_flags(tmp_path, capsys):
+    from dpzero_jax.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--clip-quantile", "1.5"])
+    assert exit_info.value.code == 2 and "--clip-quantile" in capsys.readouterr().err
+    assert main(["train", "--steps", "2", "--batch-size", "64", "--noise-multiplier", "1.0", "--clip-quantile", "0.5",
+                 "--clip-lr", "0.3", "--clip-count-noise", "8", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    # M = 1: z_b = 2 * 8; z_g = (1 - 16^-2)^-1/2
+    assert "count sigma 16" in out and f"gradient sigma {(1 - 16 ** -2) ** -0.5:.4f}" in out
