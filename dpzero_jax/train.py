@@ -841,7 +841,8 @@ class Trainer:
         self.initial_thresholds = clipping.thresholds(cfg.max_grad_norm, len(groups), None)
 
     def _clip_row(self, thresholds, fraction) -> dict:
-        """Metrics of adaptive clipping: the thresholds the step used next and the released unclipped fraction."""
+        """Metrics of adaptive clipping: the thresholds after the step's update (the next step clips with them) and
+        the released unclipped fraction."""
         thresholds, fraction = np.asarray(thresholds), np.asarray(fraction)
         if len(self.clip_groups) == 1:
             return {"clip_threshold": float(thresholds[0]), "unclipped_fraction": float(fraction[0])}

@@ -285,3 +285,18 @@ def test_cli_flags(tmp_path, capsys):
     out = capsys.readouterr().out
     # M = 1: z_b = 2 * 8; z_g = (1 - 16^-2)^-1/2
     assert "count sigma 16" in out and f"gradient sigma {(1 - 16 ** -2) ** -0.5:.4f}" in out
+
+
+def test_optax_clipped_grad_takes_thresholds():
+    """Your own loop: dz.clipped_grad with thresholds at call time gives their sensitivity and the clipped sum of the
+    same thresholds fixed in the config."""
+    from dpzero_jax.optax_dp import clipped_grad
+
+    loss_fn, params, batch = _problem()
+    cfg = DPConfig(groups="layer-wise", mode="bk")
+    t = jnp.asarray([0.2, 0.07])
+    out = jax.jit(lambda p, t: clipped_grad(loss_fn, cfg)(p, batch, thresholds=t))(params, t)
+    fixed = clipped_grad(loss_fn, cfg.replace(group_thresholds=(0.2, 0.07)))(params, batch)
+    assert float(out.l2_sensitivity) == pytest.approx(math.hypot(0.2, 0.07), rel=1e-6)
+    for x, y in zip(jax.tree.leaves(out.grad_sum), jax.tree.leaves(fixed.grad_sum), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
