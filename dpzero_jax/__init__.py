@@ -29,8 +29,8 @@ _ATTRIBUTES = {
     "private_value_and_grad": "engine",
 }
 _SUBMODULES = (
-    "accounting", "clipping", "hf", "models", "nn", "noise", "ops", "peft", "pergrad", "planner", "rmm",
-    "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
+    "accounting", "adaptive_clipping", "clipping", "hf", "models", "nn", "noise", "ops", "peft", "pergrad",
+    "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
 _OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "metric_writers", "optax_dp",
@@ -57,6 +57,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run time
     from dpzero_jax import (  # noqa: F401
         accounting,
+        adaptive_clipping,
         cli,
         clipping,
         config,

@@ -468,9 +468,14 @@ def epsilon_of_record(noise_multiplier: float, sampling_rate: float, steps: int,
                                  lambda: _compose_from_scratch(key, accountant))
 
 
+_NOT_MECHANISM = ("truncation_probability", "count_noise_multiplier", "gradient_noise_multiplier")
+
+
 def _mechanism_key(entries: tuple) -> tuple:
-    """The composed mechanism of a ledger given as a tuple of entries: counts kept, truncation dropped."""
-    return tuple(tuple(sorted((k, v) for k, v in e if k != "truncation_probability")) for e in entries)
+    """The composed mechanism of a ledger given as a tuple of entries: counts kept, truncation dropped (charged to
+    delta), and adaptive clipping's split of sigma dropped (both parts together are exactly the Gaussian at the
+    entry's ``noise_multiplier``: :mod:`dpzero_jax.adaptive_clipping`)."""
+    return tuple(tuple(sorted((k, v) for k, v in e if k not in _NOT_MECHANISM)) for e in entries)
 
 
 def _compose_from_scratch(key: tuple, accountant: str) -> dp_accounting.PrivacyAccountant:
@@ -536,13 +541,26 @@ class PrivacyLedger:
 
     def record(self, noise_multiplier: float, sampling_rate: float | None = None, steps: int = 1,
                sampling: str = "poisson", dataset_size: int | None = None, batch_size: int | None = None,
-               truncation_probability: float = 0.0) -> None:
+               truncation_probability: float = 0.0, count_noise_multiplier: float | None = None) -> None:
         """Record ``steps`` logical steps. ``fixed-size`` needs ``dataset_size`` and ``batch_size``.
 
         ``truncation_probability``: per-step probability that a Poisson batch exceeded the static capacity and was
         truncated (module doc); 0 for exact Poisson sampling.
+
+        ``count_noise_multiplier`` (adaptive clipping, :mod:`dpzero_jax.adaptive_clipping`): each step also released
+        the noised counts of unclipped examples with this noise multiplier ``z_b`` on the same batch. Then
+        ``noise_multiplier`` is the step's total sigma, the gradient's share ``z_g = (sigma^-2 - z_b^-2)^-1/2`` is
+        recorded with it (``gradient_noise_multiplier``), and :meth:`dp_event` composes both Gaussians inside one
+        sampling event -- exactly a Gaussian at sigma, which is what the epsilon is computed from.
         """
         sigma, steps = _check_noise(noise_multiplier), _check_steps(steps)
+        split = {}
+        if count_noise_multiplier is not None:
+            from dpzero_jax import adaptive_clipping
+
+            z_b = _check_noise(count_noise_multiplier)
+            split = {"count_noise_multiplier": z_b,
+                     "gradient_noise_multiplier": adaptive_clipping.gradient_noise_multiplier(sigma, z_b)}
         if not isinstance(truncation_probability, numbers.Real) or not 0 <= truncation_probability < 1:
             raise ValueError(f"truncation_probability must be in [0, 1), got {truncation_probability!r}")
         if sampling == "poisson":
@@ -564,6 +582,7 @@ class PrivacyLedger:
             entry = {"sampling": sampling, "noise_multiplier": sigma, "dataset_size": n, "batch_size": m}
         else:
             raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+        entry.update(split)
         if steps == 0:
             return
         last = self.entries[-1] if self.entries else None
@@ -589,15 +608,26 @@ class PrivacyLedger:
         """The composed ``dp_accounting`` event of the ledger (fixed-size sigma already halved, see module doc).
 
         Truncation is not part of the event; :meth:`epsilon` accounts it through ``delta``.
+        With adaptive clipping an entry's inner event is the composition of the gradient's and the count's Gaussians
+        (``dp_accounting``'s RDP accountant composes it; its PLD accountant takes only a Gaussian there, so
+        :meth:`epsilon` composes the equivalent Gaussian at ``noise_multiplier``: :mod:`dpzero_jax.adaptive_clipping`).
         """
         events = []
         for e in self.entries:
-            if e["sampling"] == "poisson":
-                events.append(_poisson_event(e["noise_multiplier"], e["sampling_rate"], e["count"]))
+            if "count_noise_multiplier" in e:
+                parts = (e["gradient_noise_multiplier"], e["count_noise_multiplier"])
             else:
-                inner = dp_accounting.GaussianDpEvent(e["noise_multiplier"] / 2.0)
-                sampled = dp_accounting.SampledWithoutReplacementDpEvent(e["dataset_size"], e["batch_size"], inner)
-                events.append(dp_accounting.SelfComposedDpEvent(sampled, e["count"]))
+                parts = (e["noise_multiplier"],)
+            if e["sampling"] == "poisson":
+                inner = [dp_accounting.GaussianDpEvent(z) for z in parts]
+                sampled = dp_accounting.PoissonSampledDpEvent(
+                    e["sampling_rate"], inner[0] if len(inner) == 1 else dp_accounting.ComposedDpEvent(inner))
+            else:
+                inner = [dp_accounting.GaussianDpEvent(z / 2.0) for z in parts]
+                sampled = dp_accounting.SampledWithoutReplacementDpEvent(
+                    e["dataset_size"], e["batch_size"],
+                    inner[0] if len(inner) == 1 else dp_accounting.ComposedDpEvent(inner))
+            events.append(dp_accounting.SelfComposedDpEvent(sampled, e["count"]))
         return dp_accounting.ComposedDpEvent(events)
 
     def epsilon(self, delta: float, accountant: str = "pld") -> float:
@@ -627,7 +657,12 @@ class PrivacyLedger:
         ledger = cls()
         for e in data["events"]:
             e = dict(e)
+            saved_split = e.pop("gradient_noise_multiplier", None)
             ledger.record(e.pop("noise_multiplier"), steps=e.pop("count"), **e)
+            derived = ledger.entries[-1].get("gradient_noise_multiplier") if ledger.entries else None
+            if saved_split is not None and not math.isclose(saved_split, derived, rel_tol=1e-12):
+                raise ValueError(f"ledger entry {e}: gradient_noise_multiplier {saved_split!r} is not the split of "
+                                 f"its noise multipliers ({derived!r})")
         for step in data.get("overflowed_steps", []):
             ledger.record_overflow(step)
         return ledger

@@ -220,9 +220,11 @@ def _host_arrays_args():
 
 # ---------------------------------------------------------------------------------------------------- save
 def save(manager, step: int, params, opt_state, key_data, ledger: dict, config: dict,
-         host: bool | None = None) -> None:
+         host: bool | None = None, train_state: dict | None = None) -> None:
     """Write checkpoint ``step``: the named trees of ``params`` / ``opt_state`` (pytrees of arrays, sharded
     ``jax.Array`` too), ``key_data`` (``uint32[2]``), ``ledger`` and ``config`` (JSON-able dicts), with digests.
+    ``train_state``: small JSON-able state of the run besides the arrays (adaptive clipping's thresholds, as
+    floats: a float32 value survives JSON exactly), kept in the sealed metadata.
 
     ``host``: write host copies into one ``.npz`` (default when there is one process) or, ``False``, the shards
     collectively through orbax ``StandardSave`` (needed with several processes). Collective with several processes.
@@ -239,6 +241,8 @@ def save(manager, step: int, params, opt_state, key_data, ledger: dict, config: 
     arrays = {name: {"shape": list(np.shape(v)), "dtype": np.dtype(v.dtype).name, "digest": d}
               for (name, v), d in zip(items.items(), digests, strict=True)}
     meta = {"format": FORMAT, "step": int(step), "ledger": ledger, "config": config, "arrays": arrays}
+    if train_state:
+        meta["train_state"] = train_state
     meta["meta_sha256"] = _seal(meta)
     if host:
         save_args, _ = _host_arrays_args()
@@ -257,6 +261,7 @@ class Restored(NamedTuple):
     opt_state: Any
     ledger: dict          # the ledger as saved (``PrivacyLedger.to_dict()``)
     skipped: list         # (step, reason) of the damaged newer checkpoints passed over
+    train_state: dict = {}   # the ``train_state`` given to :func:`save` ({} if none)
 
 
 class DamagedCheckpoint(Exception):
@@ -401,7 +406,7 @@ def restore(directory, params, opt_state, key_data, shardings=None,
                 leaves = [jax.device_put(v, abstract[tree][name].sharding) if isinstance(v, np.ndarray) else v
                           for name, v in zip(names, leaves, strict=True)]   # host copies placed; orbax's are
                 trees.append(jax.tree.unflatten(jax.tree.structure(template), leaves))
-            found = Restored(step, trees[0], trees[1], meta["ledger"], skipped)
+            found = Restored(step, trees[0], trees[1], meta["ledger"], skipped, meta.get("train_state", {}))
             break
     finally:
         manager.close()

@@ -186,6 +186,19 @@ def _add_train_parser(commands, with_flags: bool = True, name: str = "train",
     train.add_argument("--max-grad-norm", type=_positive_float("--max-grad-norm"))
     train.add_argument("--clip-fn", choices=("abadi", "automatic", "global"))
     train.add_argument("--groups", type=_groups, help="all-layer, layer-wise, param-wise or uniform:K")
+    train.add_argument("--clip-quantile", type=_unit_interval("--clip-quantile", closed_right=False),
+                       help="adaptive clipping (Andrew et al. 2021): every step each group's threshold moves "
+                            "toward this quantile of its per-example gradient norms, from a noised count of "
+                            "unclipped examples; --max-grad-norm is then the initial threshold (default: fixed "
+                            "thresholds). The count's noise is paid from the same privacy budget (same epsilon; "
+                            "the gradient's noise multiplier grows slightly: docs/privacy.md)")
+    train.add_argument("--clip-lr", type=_positive_float("--clip-lr"),
+                       help="adaptive clipping's learning rate eta: C <- C * exp(-eta (unclipped fraction - "
+                            "quantile))")
+    train.add_argument("--clip-count-noise", type=_positive_float("--clip-count-noise"),
+                       help="adaptive clipping: std sigma_b of the noise on each group's count of unclipped "
+                            "examples (default: expected batch size / 20, as in the paper); must exceed "
+                            "sigma * sqrt(groups) / 2")
     train.add_argument("--mode", choices=MODES)
     train.add_argument("--norm-kernel", choices=("auto", "xla", "pallas"),
                        help="per-example norms with XLA einsums or the tiled Pallas kernels (auto: xla for now)")

@@ -554,26 +554,42 @@ def _program_clip(cfg: DPConfig, plan, params, batch, mask) -> _Clipped:
     return _Clipped(unsplit(losses), cast(acc), unsplit(norms), unsplit(coef))
 
 
-def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None):
-    """Plan with the configured front-end and run the mode: ``(plan, concrete config, clipped result)``."""
+def _with_thresholds(plan, thresholds):
+    """``plan`` with the group thresholds ``thresholds [M]`` (a traced array allowed: adaptive clipping,
+    :mod:`dpzero_jax.adaptive_clipping`) in place of the configured ones; ``plan`` itself when None."""
+    if thresholds is None:
+        return plan
+    thresholds = jnp.asarray(thresholds, jnp.float32)
+    if thresholds.shape != (len(plan.group_names),):
+        raise ValueError(f"thresholds must have shape [M] = ({len(plan.group_names)},) (one per group "
+                         f"{plan.group_names}), got {thresholds.shape}")
+    return dataclasses.replace(plan, thresholds=thresholds)
+
+
+def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None, thresholds=None):
+    """Plan with the configured front-end and run the mode: ``(plan, concrete config, clipped result)``.
+    ``thresholds``: ``[M]`` group thresholds replacing the plan's (see :func:`_with_thresholds`)."""
     cfg = resolve_target(cfg)
     plan_params = params if layout is None else _whole_shapes(params, layout)
-    plan = make_plan(loss_fn, cfg, plan_params, batch, require_supported=False)
+    plan = _with_thresholds(make_plan(loss_fn, cfg, plan_params, batch, require_supported=False), thresholds)
     mask = _check_mask(mask, plan.batch_size)
     if _front_end(cfg, plan, layout) == "program":
         from dpzero_jax.program import mode as program_mode
 
-        program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
+        program_plan = _with_thresholds(
+            program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size), thresholds)
         concrete = cfg.replace(mode=program_mode.concrete_mode(cfg, program_plan))
         return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask)
     concrete = choose_mode(cfg, plan)
     return plan, concrete, MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
 
 
-def _clip(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None) -> tuple[Plan, _Clipped, DPStats]:
+def _clip(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None,
+          thresholds=None) -> tuple[Plan, _Clipped, DPStats]:
     """Plan, run the configured mode, and summarise: ``(plan, clipped result, stats)``. With a ``layout`` the plan
-    is traced on the whole parameters' shapes (``layout.full``) and the mode on the shards."""
-    plan, _, result = _plan_and_run(loss_fn, cfg, params, batch, mask, layout)
+    is traced on the whole parameters' shapes (``layout.full``) and the mode on the shards. ``thresholds``: ``[M]``
+    group thresholds given at call time (None: the configured ones); the returned plan carries them."""
+    plan, _, result = _plan_and_run(loss_fn, cfg, params, batch, mask, layout, thresholds)
     mask = _check_mask(mask, plan.batch_size)
     nonfinite = jnp.logical_and(mask, jnp.logical_not(jnp.logical_and(
         jnp.isfinite(result.losses), jnp.all(jnp.isfinite(result.norms), axis=1))))
@@ -592,7 +608,9 @@ def clipped_grad_sum(loss_fn: Callable, cfg: DPConfig, *, layout=None) -> Callab
     """The clipped per-example gradient SUM, no noise and no normalisation: ``fn(params, batch, mask=None) ->
     (losses [B], sum_i mask_i C_i grad L_i, stats: DPStats)`` (``cfg.noise_multiplier`` and
     ``expected_batch_size`` are not used). The building block of :func:`private_value_and_grad` and of the
-    sharded strategies, which sum it over devices before adding noise once.
+    sharded strategies, which sum it over devices before adding noise once. ``thresholds``: ``[M]`` group
+    thresholds for this call (a traced array is fine: adaptive clipping), else the configured ``R / sqrt(M)`` or
+    ``group_thresholds``.
 
     ``layout`` (a :class:`~dpzero_jax.tape.ParamLayout`, inside ``jax.shard_map``): ``params`` are this device's
     shards; each layer gathers its weights just before use and the sum comes back as the owners' shards reduced over
@@ -601,8 +619,8 @@ def clipped_grad_sum(loss_fn: Callable, cfg: DPConfig, *, layout=None) -> Callab
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
 
-    def clipped(params, batch, mask=None):
-        _, result, stats = _clip(loss_fn, cfg, params, batch, mask, layout)
+    def clipped(params, batch, mask=None, *, thresholds=None):
+        _, result, stats = _clip(loss_fn, cfg, params, batch, mask, layout, thresholds)
         return result.losses, result.clipped_sum, stats
 
     return clipped
@@ -640,6 +658,10 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
     the clip factors ``C_{m,i}`` are taken per group. ``key`` is the PRNG key of the noise (required, even with
     ``noise_multiplier=0``, so that the call signature never changes). Works under ``jax.jit``.
 
+    ``thresholds``: ``[M]`` group thresholds for this call (a traced array is fine), in place of the configured
+    ones; the noise scale follows them (``sigma * ||thresholds||``). Adaptive clipping
+    (:mod:`dpzero_jax.adaptive_clipping`) passes its current thresholds here.
+
     ``has_aux=True``: ``loss_fn`` returns ``(losses [B], aux)`` and ``fn`` returns ``((losses, aux), grads, stats)``
     (as ``jax.value_and_grad(..., has_aux=True)`` does); see :func:`split_aux` for how the aux is computed.
 
@@ -652,8 +674,8 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
     losses_fn, aux_of = split_aux(loss_fn, has_aux)
 
-    def private_grad(params, batch, key, mask=None):
-        plan, result, stats = _clip(losses_fn, cfg, params, batch, mask)
+    def private_grad(params, batch, key, mask=None, *, thresholds=None):
+        plan, result, stats = _clip(losses_fn, cfg, params, batch, mask, thresholds=thresholds)
         divisor = cfg.expected_batch_size or plan.batch_size
         clipped_sum = result.clipped_sum
         if clipped_sum_hook is not None:

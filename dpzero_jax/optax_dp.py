@@ -61,8 +61,10 @@ class ClippedGrad(NamedTuple):
 def clipped_grad(loss_fn: Callable, cfg: DPConfig, has_aux: bool = False) -> Callable:
     """The clipped sum of per-example gradients of ``loss_fn(params, batch) -> losses [B]``, sensitivity attached.
 
-    Returns ``fn(params, batch, mask=None) -> ClippedGrad``; ``mask``: ``[B]`` bool (padding of a Poisson batch;
-    masked examples contribute nothing). The clipping follows ``cfg`` (``max_grad_norm``, ``clip_fn``, ``groups``,
+    Returns ``fn(params, batch, mask=None, *, thresholds=None) -> ClippedGrad``; ``mask``: ``[B]`` bool (padding of
+    a Poisson batch; masked examples contribute nothing); ``thresholds``: ``[M]`` group thresholds for this call (a
+    traced array is fine: adaptive clipping, :mod:`dpzero_jax.adaptive_clipping`), else the configured ones; the
+    sensitivity follows them. The clipping follows ``cfg`` (``max_grad_norm``, ``clip_fn``, ``groups``,
     ``group_thresholds``, ``mode``, ...); ``cfg.noise_multiplier`` and ``cfg.expected_batch_size`` are NOT used --
     noise and normalisation are the privatizer's (:func:`gaussian_privatizer`). With ``has_aux=True`` ``loss_fn``
     returns ``(losses [B], aux)`` (aux: any pytree; computed by one extra plain forward call, see
@@ -72,8 +74,8 @@ def clipped_grad(loss_fn: Callable, cfg: DPConfig, has_aux: bool = False) -> Cal
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
     losses_fn, aux_of = engine.split_aux(loss_fn, has_aux)
 
-    def fn(params, batch, mask=None) -> ClippedGrad:
-        plan, result, stats = engine._clip(losses_fn, cfg, params, batch, mask)
+    def fn(params, batch, mask=None, *, thresholds=None) -> ClippedGrad:
+        plan, result, stats = engine._clip(losses_fn, cfg, params, batch, mask, thresholds=thresholds)
         thresholds = jnp.asarray(plan.thresholds, jnp.float32)
         aux = aux_of(params, batch) if aux_of is not None else None
         return ClippedGrad(result.clipped_sum, clipping.l2_sensitivity(thresholds), thresholds, stats,

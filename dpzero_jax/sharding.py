@@ -316,8 +316,14 @@ class ShardLayout:
         return grad if dim is None else _reduce_scatter(grad, dim)
 
 
-def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_layer: bool = False):
-    """The ``explicit`` strategy's gradient: ``fn(params, batch, mask) -> (losses [B], summed_grads)``.
+def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_layer: bool = False,
+                      per_example_outputs: int = 0):
+    """The ``explicit`` strategy's gradient: ``fn(params, batch, mask, *replicated) -> (losses [B], summed_grads,
+    *per_example)``.
+
+    ``replicated``: further inputs every device receives whole (e.g. adaptive clipping's thresholds ``[M]``);
+    ``per_example_outputs``: how many further outputs ``local_sum`` returns with the batch as leading axis (e.g.
+    the per-example norms), gathered in the batch layout like the losses.
 
     ``local_sum(params, batch_shard, mask_shard) -> (losses [b], grad_sum)`` computes, on one device, the gradient
     SUM over its own ``b = B / (data * fsdp)`` examples (for DP: the clipped sum, no noise). ``params`` (arrays or
@@ -353,21 +359,28 @@ def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_laye
             return jax.lax.psum(grad, "data")
         return jax.lax.psum(_reduce_scatter(grad, dim), "data")
 
-    def local(params, batch, mask):
-        losses, grad_sum = local_sum(jax.tree.map(gather, params, param_specs), batch, mask)
-        return losses, jax.tree.map(reduce, grad_sum, grad_specs)
+    def local(params, batch, mask, *replicated):
+        losses, grad_sum, *per_example = local_sum(jax.tree.map(gather, params, param_specs), batch, mask,
+                                                   *replicated)
+        return (losses, jax.tree.map(reduce, grad_sum, grad_specs), *per_example)
 
-    def gradient(params, batch, mask):
+    def gradient(params, batch, mask, *replicated):
         batch_specs = jax.tree.map(lambda _: batch_spec, batch)
-        sharded = jax.shard_map(local, mesh=mesh, in_specs=(param_specs, batch_specs, batch_spec),
-                                out_specs=(batch_spec, grad_specs), check_vma=False)
-        return sharded(params, batch, jnp.asarray(mask))
+        sharded = jax.shard_map(local, mesh=mesh,
+                                in_specs=(param_specs, batch_specs, batch_spec, *[PartitionSpec()] * len(replicated)),
+                                out_specs=(batch_spec, grad_specs, *[batch_spec] * per_example_outputs),
+                                check_vma=False)
+        return sharded(params, batch, jnp.asarray(mask), *replicated)
 
     return gradient
 
 
-def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params, *, gather_by_layer: bool = True):
-    """The private gradient under the explicit strategy: ``fn(params, batch, key, mask) -> (losses [B], grads)``.
+def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params, *, gather_by_layer: bool = True,
+                              adaptive: bool = False):
+    """The private gradient under the explicit strategy: ``fn(params, batch, key, mask) -> (losses [B], grads)``;
+    with ``adaptive``, ``fn(params, batch, key, mask, thresholds [M]) -> (losses [B], grads, norms [B] or [B, M])``
+    (adaptive clipping: the thresholds enter every device whole, the per-example norms come back in the batch
+    layout, the noise scale is ``cfg.noise_multiplier * ||thresholds||``).
 
     Each device computes the clipped sum of its examples with the engine (:func:`dpzero_jax.engine.clipped_grad_sum`;
     at stage 3 on the shards, gathering layer by layer through a :class:`ShardLayout` -- except in ``vmap`` mode or
@@ -379,6 +392,21 @@ def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params, *, gat
     by_layer = gather_by_layer and rules.zero == 3 and cfg.mode != "vmap"
     layout = ShardLayout(rules, params) if by_layer else None
     clipped = clipped_grad_sum(loss_fn, cfg, layout=layout)
+    if adaptive:
+        def local_adaptive(p, b, m, thresholds):
+            losses, sums, stats = clipped(p, b, m, thresholds=thresholds)
+            return losses, sums, stats.norms
+
+        summed_adaptive = explicit_gradient(local_adaptive, rules, params, gather_by_layer=by_layer,
+                                            per_example_outputs=1)
+
+        def adaptive_gradient(params, batch, key, mask, thresholds):
+            losses, sums, norms = summed_adaptive(params, batch, mask, thresholds)
+            std = noise.noise_std(cfg.noise_multiplier, thresholds)
+            return losses, noise.add_noise_and_normalise(sums, key, std, cfg.expected_batch_size,
+                                                         "partitionable"), norms
+
+        return adaptive_gradient
     summed = explicit_gradient(lambda p, b, m: clipped(p, b, m)[:2], rules, params, gather_by_layer=by_layer)
 
     def gradient(params, batch, key, mask):

@@ -317,31 +317,33 @@ class LocalClip:
 
 def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, gather, scatter, trainable, frozen, x,
                  sink, keep):
-    """``gather`` / ``scatter``: as in :func:`_ghost_layer`."""
+    """``gather`` / ``scatter``: as in :func:`_ghost_layer`. The thresholds enter the ``custom_vjp`` as an argument
+    (they may be traced: adaptive clipping), not through the backward's closure."""
 
-    def forward(trainable, frozen, x, sink, keep):
+    def forward(trainable, frozen, x, sink, keep, thresholds):
         return rule.apply({**frozen, **gather(trainable, x)}, x, spec)
 
-    def forward_with_residuals(trainable, frozen, x, sink, keep):
+    def forward_with_residuals(trainable, frozen, x, sink, keep, thresholds):
         y, saved = rules.forward_and_stored(rule, {**frozen, **gather(trainable, x)}, x, spec)
-        return y, (trainable, frozen, saved, keep)
+        return y, (trainable, frozen, saved, keep, thresholds)
 
     def backward(residuals, g):
-        trainable, frozen, saved, keep = residuals
+        trainable, frozen, saved, keep, thresholds = residuals
         params = {**frozen, **gather(trainable, g)}
         uses = rule.per_example_grads(params, saved, g, spec)
         sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
         group_of = jnp.asarray(clip.group_of)
         n_local = len(clip.thresholds)
         group_sq = jnp.zeros((sq.shape[0], n_local), jnp.float32).at[:, group_of].add(sq)
-        coef = clip.coefficients(jnp.sqrt(group_sq), jnp.asarray(clip.thresholds, jnp.float32), keep)
+        coef = clip.coefficients(jnp.sqrt(group_sq), thresholds, keep)
         grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
-        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq, None
+        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq, None, None
 
     layer = jax.custom_vjp(forward)
     layer.defvjp(forward_with_residuals, backward)
-    return layer(trainable, frozen, x, sink, keep)
+    thresholds = jnp.stack([jnp.asarray(t, jnp.float32) for t in clip.thresholds])
+    return layer(trainable, frozen, x, sink, keep, thresholds)
 
 
 class FusedTape(_Tape):

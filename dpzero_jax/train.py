@@ -45,6 +45,8 @@ from flax import nnx
 
 from dpzero_jax import (
     accounting,
+    adaptive_clipping,
+    clipping,
     hf,
     metric_writers,
     models,
@@ -61,7 +63,7 @@ from dpzero_jax import checkpoints as ckpt
 from dpzero_jax import nn as dz_nn
 from dpzero_jax.config import MODES, DPConfig
 from dpzero_jax.data import DATASETS, load_dataset
-from dpzero_jax.engine import private_value_and_grad
+from dpzero_jax.engine import make_plan, private_value_and_grad
 from dpzero_jax.models.gpt2 import REMAT
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import FixedSizeSampler, PoissonSampler, ShuffledEpochs, gather
@@ -96,6 +98,12 @@ class TrainConfig:
     excludes a non-default ``epsilon`` (and ``from_dict`` refuses both keys), ``noise_multiplier=0`` is refused (use
     ``no_dp``), and ``delta > 1/n`` needs ``allow_large_delta`` (recorded in the result's summary).
     ``groups``: "all-layer", "layer-wise", "param-wise" or ("uniform", k).
+    ``clip_quantile``: adaptive clipping (:mod:`dpzero_jax.adaptive_clipping`): each group's threshold, starting at
+    ``max_grad_norm / sqrt(M)``, follows the ``clip_quantile``-quantile of its per-example norms by the geometric
+    update with rate ``clip_lr`` from a count of unclipped examples noised with std ``clip_count_noise`` (None:
+    ``batch_size / 20``). The count is paid from sigma: the gradient's noise multiplier becomes
+    ``(sigma^-2 - (2 clip_count_noise / sqrt(M))^-2)^-1/2``, epsilon is that of sigma. The thresholds are part of
+    the checkpointed state. None (default): fixed thresholds.
     ``sampling``: "poisson" (default; add/remove adjacency, PLD or RDP), "fixed-size" (exactly ``batch_size``
     examples without replacement; replace-one adjacency, ``accountant="rdp"`` required) or "shuffled" (epochs of a
     permutation: NO formal guarantee, epsilon is not reported; sigma is calibrated as if Poisson).
@@ -162,6 +170,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     clip_fn: str = "abadi"
     groups: Any = "all-layer"
+    clip_quantile: float | None = None
+    clip_lr: float = 0.2
+    clip_count_noise: float | None = None
     mode: str = "auto"
     norm_kernel: str = "auto"
     lr: float = 1e-2
@@ -391,6 +402,15 @@ class TrainConfig:
             validation.check_privacy_options({"noise_multiplier": self.noise_multiplier, "epsilon": self.epsilon})
         if self.no_dp and self.noise_multiplier is not None:
             validation.check_privacy_options({"no_dp": True, "noise_multiplier": self.noise_multiplier})
+        if self.clip_quantile is not None:
+            if not is_num(self.clip_quantile) or not 0 < self.clip_quantile < 1:
+                fail("clip_quantile", "a number in (0, 1) or None (fixed thresholds)", self.clip_quantile)
+            if self.no_dp:
+                raise ValueError("TrainConfig.clip_quantile (adaptive clipping) needs DP: no_dp=True clips nothing")
+        if not is_num(self.clip_lr) or self.clip_lr <= 0:
+            fail("clip_lr", "a finite number > 0", self.clip_lr)
+        if self.clip_count_noise is not None and (not is_num(self.clip_count_noise) or self.clip_count_noise <= 0):
+            fail("clip_count_noise", "a finite number > 0 or None (expected batch size / 20)", self.clip_count_noise)
         # the DP-specific fields are checked by DPConfig itself (groups, mode, ...)
         DPConfig(max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn, groups=self.groups, mode=self.mode,
                  microbatch_size=self.micro_batch_size, norm_kernel=self.norm_kernel)
@@ -441,6 +461,9 @@ class TrainResult:
     truncation_charge: float | None = None  # Poisson: share of delta charged for truncation, mass * (1 + e^eps) / delta
     accounting_s: dict | None = None        # seconds in privacy accounting: plan (calibration), rows, final
     large_delta: bool = False   # delta > 1/n, allowed by allow_large_delta
+    clip_thresholds: list | None = None   # adaptive clipping: the final group thresholds
+    gradient_noise_multiplier: float | None = None   # adaptive clipping: the gradient's share of sigma
+    count_noise_multiplier: float | None = None      # adaptive clipping: the count's, 2 sigma_b / sqrt(M)
     params: Any = dataclasses.field(repr=False, default=None)
     opt_state: Any = dataclasses.field(repr=False, default=None)
     history: list = dataclasses.field(repr=False, default_factory=list)
@@ -470,6 +493,10 @@ class TrainResult:
                             f"delta{within})")
         if self.large_delta and self.noise_multiplier is not None:
             privacy += " [delta > 1/n: allowed by --allow-large-delta]"
+        if self.clip_thresholds is not None:
+            privacy += (f"  adaptive clipping: gradient sigma {self.gradient_noise_multiplier:.4f}, count sigma "
+                        f"{self.count_noise_multiplier:.4g}, final thresholds "
+                        f"{', '.join(f'{t:.4g}' for t in self.clip_thresholds)}")
         if self.task == "causal-lm":
             quality = f"test loss {self.test_loss:.4f}  test perplexity {self.test_perplexity:.2f}"
         else:
@@ -705,9 +732,11 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.canaries = canaries
-        if canaries is not None and (cfg.no_dp or cfg.strategy == "explicit" or cfg.rmm != "none"):
-            raise ValueError("canaries (a privacy audit) need a private run with the gspmd strategy and no RMM "
-                             f"layers; got no_dp={cfg.no_dp}, strategy={cfg.strategy!r}, rmm={cfg.rmm!r}")
+        if canaries is not None and (cfg.no_dp or cfg.strategy == "explicit" or cfg.rmm != "none"
+                                     or cfg.clip_quantile is not None):
+            raise ValueError("canaries (a privacy audit) need a private run with the gspmd strategy, no RMM layers and "
+                             f"fixed thresholds; got no_dp={cfg.no_dp}, strategy={cfg.strategy!r}, rmm={cfg.rmm!r}, "
+                             f"clip_quantile={cfg.clip_quantile!r}")
         self.out = rundir.as_path(cfg.out)   # an epath.Path: local or gs:// ...
         request_cpu_devices(cfg)   # before JAX's first operation, if this is it
         init_distributed(cfg)
@@ -786,6 +815,7 @@ class Trainer:
             self.inputs = ("input_ids", "attention_mask") if "input_ids" in self.train_data else "image"
             objective, objective_args = models.classification_objective, (self.inputs,)
         self.init_params, loss_fn = objective(model, *objective_args, trainable=trainable)
+        self._setup_adaptive_clipping(loss_fn)
         loss_for_key = None
         self._rmm_diagnostics = None
         if cfg.rmm != "none":  # the loss of a step draws its sketches from that step's key
@@ -815,6 +845,54 @@ class Trainer:
         self._build_step(loss_fn, apply_fn, loss_for_key)
         if "input_ids" in self.train_data:
             self._evaluate_text = _text_evaluator(self._bind_frozen(apply_fn), cfg.task)
+
+    def _setup_adaptive_clipping(self, loss_fn) -> None:
+        """``clip_quantile``: the rule, the group names, the initial thresholds ``[M]`` and the split of sigma
+        (:mod:`dpzero_jax.adaptive_clipping`); all None with fixed thresholds."""
+        cfg = self.config
+        self.adaptive = self.clip_groups = self.initial_thresholds = None
+        self.gradient_noise_multiplier = self.count_noise_multiplier = None
+        if cfg.clip_quantile is None:
+            return
+        example = {k: v[:1] for k, v in self.train_data.items()}
+        groups = make_plan(loss_fn, DPConfig(groups=cfg.groups), self.init_params, example,
+                           require_supported=False).group_names
+        self.clip_groups = groups
+        self.adaptive = adaptive_clipping.AdaptiveClipping(
+            cfg.clip_quantile, count_noise_std=cfg.clip_count_noise or cfg.batch_size *
+            adaptive_clipping.DEFAULT_COUNT_NOISE_FRACTION, expected_batch_size=cfg.batch_size,
+            learning_rate=cfg.clip_lr)
+        self.count_noise_multiplier = self.adaptive.count_noise_multiplier(len(groups))
+        self.gradient_noise_multiplier = adaptive_clipping.gradient_noise_multiplier(self.noise_multiplier,
+                                                                                     self.count_noise_multiplier)
+        self.initial_thresholds = clipping.thresholds(cfg.max_grad_norm, len(groups), None)
+
+    def _clip_row(self, thresholds, fraction) -> dict:
+        """Metrics of adaptive clipping: the thresholds after the step's update (the next step clips with them) and
+        the released unclipped fraction."""
+        thresholds, fraction = np.asarray(thresholds), np.asarray(fraction)
+        if len(self.clip_groups) == 1:
+            return {"clip_threshold": float(thresholds[0]), "unclipped_fraction": float(fraction[0])}
+        row = {f"clip_threshold/{g}": float(t) for g, t in zip(self.clip_groups, thresholds)}
+        row.update({f"unclipped_fraction/{g}": float(f) for g, f in zip(self.clip_groups, fraction)})
+        return row
+
+    def _initial_clip_state(self, restored: dict | None):
+        """The step's clip state: ``()`` with fixed thresholds, else the thresholds ``[M]`` (restored or initial),
+        replicated under a mesh."""
+        if self.adaptive is None:
+            return ()
+        if restored is not None:
+            if "clip_thresholds" not in restored:
+                raise ValueError("the checkpoint holds no adaptive clipping thresholds (train_state); it was not "
+                                 "written by a run with clip_quantile")
+            values = np.asarray(restored["clip_thresholds"], np.float32)
+            if values.shape != self.initial_thresholds.shape:
+                raise ValueError(f"the checkpoint's clip thresholds have shape {values.shape}, this run's groups "
+                                 f"{self.clip_groups} need {self.initial_thresholds.shape}")
+        else:
+            values = self.initial_thresholds
+        return jnp.asarray(values) if self.rules is None else _to_global(values, self.rules.replicated)
 
     @property
     def formal_guarantee(self) -> bool:
@@ -877,6 +955,7 @@ class Trainer:
             def loss_for_key(noise_key):
                 return loss_fn
         bind = self._bind_frozen
+        adaptive = self.adaptive
         if cfg.no_dp:
             def gradient(params, batch, key, mask, frozen):
                 def mean_loss(p):
@@ -886,24 +965,26 @@ class Trainer:
                 (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
                 return losses, grads
         else:
-            dp_cfg = DPConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=cfg.max_grad_norm,
+            # adaptive clipping: the gradient's share of sigma (the count takes the rest; same epsilon)
+            sigma_grad = self.noise_multiplier if adaptive is None else self.gradient_noise_multiplier
+            dp_cfg = DPConfig(noise_multiplier=sigma_grad, max_grad_norm=cfg.max_grad_norm,
                               clip_fn=cfg.clip_fn, groups=cfg.groups, mode=cfg.mode,
                               expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
                               norm_kernel=cfg.norm_kernel, noise_rng="partitionable")
 
             hook = None if self.canaries is None else self.canaries.insert
 
-            def gradient(params, batch, key, mask, frozen):
+            def gradient(params, batch, key, mask, frozen, *clip):   # clip: (thresholds [M],) with adaptive clipping
                 loss = functools.partial(bind(loss_for_key(key)), frozen=frozen)
-                losses, grads, _ = private_value_and_grad(loss, dp_cfg, clipped_sum_hook=hook)(params, batch, key,
-                                                                                                mask)
-                return losses, grads
+                losses, grads, stats = private_value_and_grad(loss, dp_cfg, clipped_sum_hook=hook)(
+                    params, batch, key, mask, thresholds=clip[0] if clip else None)
+                return (losses, grads, stats.norms) if clip else (losses, grads)
 
         if self.rules is not None and cfg.strategy == "explicit":
             explicit = self._explicit_gradient(loss_fn, None if cfg.no_dp else dp_cfg)
 
-            def gradient(params, batch, key, mask, frozen):
-                return explicit(params, batch, key, mask)
+            def gradient(params, batch, key, mask, frozen, *clip):   # the shard_map captures the frozen variables
+                return explicit(params, batch, key, mask, *clip)
 
         compute_dtype = PRECISIONS[cfg.precision]
         lm, inputs = cfg.task == "causal-lm", self.inputs
@@ -916,9 +997,16 @@ class Trainer:
         if self.rules is not None and cfg.strategy == "explicit":  # gathers layer by layer, as the gradient does
             step_apply = bind(sharding.explicit_apply(apply_fn, self.rules, self.init_params))
 
-        def step(params, opt_state, batch, noise_key, mask, frozen):
+        def step(params, opt_state, batch, noise_key, mask, frozen, clip_state):
+            """``frozen``: the model's frozen variables (or ``{}``); ``clip_state``: ``()``, or adaptive clipping's
+            thresholds ``[M]`` (returned updated, with the released unclipped fractions ``[M]``)."""
             batch = _cast_inputs(batch, compute_dtype)
-            losses, grads = gradient(params, batch, noise_key, mask, frozen)
+            if adaptive is None:
+                losses, grads = gradient(params, batch, noise_key, mask, frozen)
+                fraction = ()
+            else:
+                losses, grads, norms = gradient(params, batch, noise_key, mask, frozen, clip_state)
+                clip_state, fraction = adaptive_clipping.adapt(clip_state, norms, mask, noise_key, adaptive)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # fp32 master gradient
             if grad_shardings is not None:  # the ZeRO stage's gradient layout (reduce-scatter to the owners)
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -928,9 +1016,9 @@ class Trainer:
             count = jnp.maximum(jnp.sum(w), 1.0)
             loss = jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / count
             if lm:  # causal LM: the batch's perplexity exp(loss) in place of an accuracy
-                return params, opt_state, loss, jnp.exp(loss)
+                return params, opt_state, loss, jnp.exp(loss), clip_state, fraction
             correct = jnp.argmax(step_apply(params, model_inputs(batch), frozen), -1) == batch["label"]  # updated
-            return params, opt_state, loss, jnp.sum(correct * w) / count
+            return params, opt_state, loss, jnp.sum(correct * w) / count, clip_state, fraction
 
         def evaluate(params, images, labels, frozen):
             logits = bind(apply_fn)(params, images.astype(compute_dtype), frozen).astype(jnp.float32)
@@ -947,16 +1035,18 @@ class Trainer:
             self._opt_shardings = rules.opt_state(opt_shape)
             self._step = jax.jit(step, donate_argnums=(0, 1),
                                  in_shardings=(self._param_shardings, self._opt_shardings, rules.batch(batch_shape),
-                                               rules.replicated, rules.batch(0), self._frozen_shardings),
+                                               rules.replicated, rules.batch(0), self._frozen_shardings,
+                                               rules.replicated),
                                  out_shardings=(self._param_shardings, self._opt_shardings, rules.replicated,
-                                                rules.replicated))
+                                                rules.replicated, rules.replicated, rules.replicated))
         self._evaluate = jax.jit(evaluate)
 
     def _explicit_gradient(self, loss_fn, dp_cfg: DPConfig | None):
         """``gradient(params, batch, key, mask)`` of the ``explicit`` strategy (:mod:`dpzero_jax.sharding`)."""
         if dp_cfg is None:
             return sharding.explicit_mean_gradient(loss_fn, self.rules, self.init_params)
-        return sharding.explicit_private_gradient(loss_fn, dp_cfg, self.rules, self.init_params)
+        return sharding.explicit_private_gradient(loss_fn, dp_cfg, self.rules, self.init_params,
+                                                  adaptive=self.adaptive is not None)
 
     def _place(self, params, opt_state):
         """Fresh device copies (the step donates its inputs), laid out as the ZeRO stage says if there is a mesh."""
@@ -1000,7 +1090,8 @@ class Trainer:
         mask = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)
         frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                               self._frozen)
-        return self._step.lower(params, opt_state, batch, self.step_keys(0)[1], mask, frozen)
+        clip_state = () if self.adaptive is None else jax.ShapeDtypeStruct(self.initial_thresholds.shape, jnp.float32)
+        return self._step.lower(params, opt_state, batch, self.step_keys(0)[1], mask, frozen, clip_state)
 
     def step_keys(self, step: int):
         """``(sample_key, noise_key)`` of step ``step``: a pure function of (seed, step)."""
@@ -1027,12 +1118,13 @@ class Trainer:
             return
         if cfg.sampling == "poisson":
             ledger.record(self.noise_multiplier, self.sampling_rate,
-                          truncation_probability=self.sampler.truncation_probability)
+                          truncation_probability=self.sampler.truncation_probability,
+                          count_noise_multiplier=self.count_noise_multiplier)
             if batch.overflowed:
                 ledger.record_overflow(step)
         else:
             ledger.record(self.noise_multiplier, sampling="fixed-size", dataset_size=self.dataset_size,
-                          batch_size=cfg.batch_size)
+                          batch_size=cfg.batch_size, count_noise_multiplier=self.count_noise_multiplier)
 
     def _epsilon(self, ledger: accounting.PrivacyLedger) -> float | None:
         """The run's epsilon of record: ``dp_accounting`` from scratch over the ledger (the summary, the last row)."""
@@ -1048,9 +1140,13 @@ class Trainer:
     def _manager(self):
         return ckpt.open_manager(self.out / "checkpoints", keep=self.config.keep_checkpoints)
 
-    def _save(self, manager, step, params, opt_state, ledger):
+    def _save(self, manager, step, params, opt_state, ledger, clip_state=()):
+        train_state = None
+        if self.adaptive is not None:   # replicated: any process's first copy is the whole vector
+            host = np.asarray(clip_state.addressable_data(0), np.float32)
+            train_state = {"clip_thresholds": [float(t) for t in host]}
         ckpt.save(manager, step, params, opt_state, jax.random.key_data(self.init_key), ledger.to_dict(),
-                         _jsonable(self.config.to_dict()))
+                  _jsonable(self.config.to_dict()), train_state=train_state)
 
     def _check_same_run(self, saved: dict) -> None:
         """Refuse to resume a checkpoint written by a different run (a mixed run would match neither config).
@@ -1063,22 +1159,26 @@ class Trainer:
         allowed = set(RESUMABLE_CHANGES)
         if cfg.noise_multiplier is not None or cfg.no_dp:
             allowed |= {"steps", "epochs"}
+        # an option missing from an older checkpoint's config did not exist then: that run had its default
+        defaults = _jsonable({f.name: f.default for f in dataclasses.fields(TrainConfig)
+                              if f.default is not dataclasses.MISSING})
         changed = sorted(k for k in current.keys() | saved.keys()
-                         if k not in allowed and current.get(k) != saved.get(k))
+                         if k not in allowed and current.get(k) != saved.get(k, defaults.get(k)))
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
             raise ValueError(f"cannot resume from {self.out / 'checkpoints'}: it was written with different "
                              f"options ({details}); use the original options or another --out")
 
     def _restore(self, params, opt_state):
-        """Newest intact checkpoint -> (step, params, opt_state, ledger); None if there is none
+        """Newest intact checkpoint -> (step, params, opt_state, ledger, train_state); None if there is none
         (:func:`dpzero_jax.checkpoints.restore`: damaged ones skipped with a warning, another run's refused)."""
         shardings = None if self.rules is None else (self._param_shardings, self._opt_shardings)
         found = ckpt.restore(self.out / "checkpoints", params, opt_state, jax.random.key_data(self.init_key),
                                     shardings, check_config=self._check_same_run, set_aside=self.is_primary)
         if found is None:
             return None
-        return found.step, found.params, found.opt_state, accounting.PrivacyLedger.from_dict(found.ledger)
+        return (found.step, found.params, found.opt_state, accounting.PrivacyLedger.from_dict(found.ledger),
+                found.train_state)
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: bool | str = False, stop_at: int | None = None, callbacks=()) -> TrainResult:
@@ -1113,14 +1213,16 @@ class Trainer:
         ledger = accounting.PrivacyLedger()
         start = 0
         restored = self._restore(params, opt_state) if resume else None
+        train_state = None
         if restored is not None:
-            start, params, opt_state, ledger = restored
+            start, params, opt_state, ledger, train_state = restored
         elif resume is True:
             raise FileNotFoundError(f"resume: no checkpoint in {self.out / 'checkpoints'} to resume from (use "
                                     f"--resume-or-start / resume='or-start' to start a new run there instead)")
         else:
             rundir.check_fresh(self.out, resume)
         params, opt_state = self._place(params, opt_state)
+        clip_state = self._initial_clip_state(train_state)
         end = self.steps if stop_at is None else min(self.steps, stop_at)
 
         metrics_path = self.out / "metrics.jsonl"
@@ -1161,8 +1263,8 @@ class Trainer:
                         # at the parameters the step starts from (the step donates them), on its batch
                         values = self._rmm_diagnostics(params, batch, mask)
                         diagnostics = {k: float(v) if np.isfinite(v) else None for k, v in values.items()}
-                    params, opt_state, loss, acc = self._step(params, opt_state, batch, noise_key, mask,
-                                                              self._frozen)
+                    params, opt_state, loss, acc, clip_state, clip_fraction = self._step(
+                        params, opt_state, batch, noise_key, mask, self._frozen, clip_state)
                     if not cfg.no_dp:
                         self._record(ledger, step, batch_info)
                     done = step + 1
@@ -1182,6 +1284,9 @@ class Trainer:
                                "epsilon": eps, "batch_size": int(batch_info.realised_size),
                                "lr": float(self.learning_rate(step))}
                         row.update(diagnostics or {})
+                        if self.adaptive is not None:
+                            row.update(self._clip_row(clip_state.addressable_data(0),
+                                                      clip_fraction.addressable_data(0)))
                         if evaluate:
                             test_loss, test_acc = self._evaluate_split(params, self.test_data, test_inputs)
                             row.update(test_loss=float(test_loss), **{metric_name(True): float(test_acc)})
@@ -1193,7 +1298,7 @@ class Trainer:
                                         **({} if test_acc is None else {f"test_{short}": f"{float(test_acc):.3f}"}),
                                         eps="n/a" if eps is None else f"{eps:.2f}")
                     if manager is not None and (done % cfg.checkpoint_every == 0 or done == end):
-                        self._save(manager, done, params, opt_state, ledger)
+                        self._save(manager, done, params, opt_state, ledger, clip_state)
                         metrics.sync()
                         for writer in writers:
                             writer.sync()
@@ -1224,6 +1329,10 @@ class Trainer:
                              truncation_charge=charge, accounting_s=dict(self.accounting_s), params=params,
                              opt_state=opt_state,
                              large_delta=cfg.delta > 1.0 / self.dataset_size,
+                             clip_thresholds=None if self.adaptive is None else
+                             [float(t) for t in np.asarray(clip_state.addressable_data(0))],
+                             gradient_noise_multiplier=self.gradient_noise_multiplier,
+                             count_noise_multiplier=self.count_noise_multiplier,
                              history=history, model=model)
         summary = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)
                    if f.name not in ("params", "opt_state", "history", "model")}
