@@ -38,6 +38,7 @@ on one chip of the slice (``--kernels``).
 
     PYTHONPATH=$PWD ALLOW_MULTIPLE_LIBTPU_LOAD=1 /work/venv-tpu/bin/python experiments/tpu_aot.py          # all
     ... experiments/tpu_aot.py --cases gpt2-xl --variants nonprivate,dp --strategies gspmd
+    ... experiments/tpu_aot.py --cases gpt2-xl --strategies gspmd --remat none   # recorded as gpt2-xl+remat-none
     ... experiments/tpu_aot.py --table          # the table of the JSON (no libtpu)
 
 Results are cached per point in ``experiments/results/tpu_aot.json`` (``--recompute`` ignores the cache).
@@ -118,14 +119,17 @@ def largest_fsdp(shapes, devices: int, min_shard_elements: int = MIN_SHARD_ELEME
     return 1
 
 
-_USED = re.compile(r"Used\s+([\d.]+)([KMGT]?)\s+of\s+([\d.]+)([KMGT]?)\s+hbm", re.IGNORECASE)
+# the TPU compiler's two out-of-memory phrasings: "Used 29.3G of 15.75G hbm" and "the total memory required for HLO
+# temporaries (16.16G) exceeds available HBM (15.75G)"
+_USED = (re.compile(r"Used\s+([\d.]+)([KMGT]?)\s+of\s+([\d.]+)([KMGT]?)\s+hbm", re.IGNORECASE),
+         re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)",
+                    re.IGNORECASE))
 _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def refusal(message: str) -> dict:
-    """``{"used_bytes", "hbm_bytes"}`` stated by a TPU compiler's out-of-memory message ("Used 29.3G of 15.75G
-    hbm"), or ``{}``."""
-    match = _USED.search(message)
+    """``{"used_bytes", "hbm_bytes"}`` stated by a TPU compiler's out-of-memory message, or ``{}``."""
+    match = next((m for m in (pattern.search(message) for pattern in _USED) if m), None)
     if not match:
         return {}
     used, used_unit, hbm, hbm_unit = match.groups()
@@ -435,7 +439,9 @@ def main(argv=None):
             for name in args.cases.split(","):
                 case = CASES[name]
                 if args.topology:
-                    case = dataclasses.replace(case, name=f"{name}@{args.topology}", topology=args.topology)
+                    case = dataclasses.replace(case, name=f"{case.name}@{args.topology}", topology=args.topology)
+                if args.remat != "block":   # the default is recorded under the case's own name
+                    case = dataclasses.replace(case, name=f"{case.name}+remat-{args.remat}")
                 for strategy in args.strategies.split(","):
                     if strategy not in case.strategies:
                         continue

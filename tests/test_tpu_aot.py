@@ -36,6 +36,9 @@ def test_refusal_reads_the_compilers_used_and_available_bytes():
     found = aot.refusal(message)
     assert found == {"used_bytes": int(29.31 * 2**30), "hbm_bytes": int(15.75 * 2**30)}
     assert aot.refusal("Used 512.5M of 1G hbm")["used_bytes"] == int(512.5 * 2**20)
+    other = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (16.16G) "
+             "exceeds available HBM (15.75G).")
+    assert aot.refusal(other) == {"used_bytes": int(16.16 * 2**30), "hbm_bytes": int(15.75 * 2**30)}
     assert aot.refusal("some other failure") == {}
 
 
