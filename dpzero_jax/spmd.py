@@ -47,20 +47,32 @@ def batch_sharded(mesh: Mesh, axes: tuple[str, ...] = ("data", "fsdp")):
         _BATCH.reset(token)
 
 
-def batch_axes() -> tuple[str, ...] | None:
-    """The batch axes of the enclosing :func:`batch_sharded` (``vmap``'s ``spmd_axis_name``), or ``None``."""
+def _devices(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_axes(size: int | None = None) -> tuple[str, ...] | None:
+    """The batch axes of the enclosing :func:`batch_sharded` (``vmap``'s ``spmd_axis_name`` over ``size``
+    examples), or ``None``: outside it, or when they do not divide ``size`` (a micro-batch smaller than the mesh)."""
     current = _BATCH.get()
-    return None if current is None else current[1]
+    if current is None or (size is not None and size % _devices(*current)):
+        return None
+    return current[1]
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
     """``x [B, ...]`` with ``B`` split over the batch axes and its other dimensions whole (identity outside
-    :func:`batch_sharded`). A leading axis the axes do not divide (the program front-end's batch of one) is left
-    whole: the example axis ``vmap`` adds carries the split there."""
+    :func:`batch_sharded`). A batch of one (the program front-end's single-example program) is kept whole: the
+    example axis its ``vmap`` adds carries the split. Another batch the axes do not divide is left to the partitioner
+    (unchanged)."""
     current = _BATCH.get()
     if current is None or x.ndim == 0:
         return x
     mesh, axes = current
-    devices = math.prod(mesh.shape[a] for a in axes)
-    lead = axes if x.shape[0] % devices == 0 and x.shape[0] >= devices else None
+    if x.shape[0] % _devices(mesh, axes) == 0:
+        lead = axes
+    elif x.shape[0] == 1:
+        lead = None
+    else:
+        return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(lead, *([None] * (x.ndim - 1)))))

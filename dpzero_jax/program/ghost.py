@@ -164,7 +164,7 @@ def program_ghost(cfg, plan, params, batch, mask):
             for i, v in zip(fallback, copies_i):
                 local[i] = v
             return per_example(local, example, inputs_i)
-        return jax.vmap(one, in_axes=(0, 0, 0), spmd_axis_name=spmd.batch_axes())(copies, list(batch_leaves),
+        return jax.vmap(one, in_axes=(0, 0, 0), spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves),
                                                                                  site_inputs)
 
     site_inputs = {path: jnp.broadcast_to(_sink(site) if path in ghost_paths else bk.zero_probe(site),

@@ -135,7 +135,7 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves):
     out_axes = (0, {path: [depth[path]] * len(site.recorded) for path, site in analysis.sites.items()}, depth, 0)
     # spmd_axis_name: under a GSPMD step the example axis is split over the batch axes (dpzero_jax.spmd)
     losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, 0), out_axes=out_axes,
-                                                      spmd_axis_name=spmd.batch_axes())(
+                                                      spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
         list(leaves), list(batch_leaves))
 
     def examples_first(tree):
