@@ -103,3 +103,33 @@ def test_constrain_batch_is_the_identity_outside_and_checks_axes():
     with pytest.raises(ValueError, match="'model'"):
         with spmd.batch_sharded(mesh, ("data", "model")):
             pass
+
+
+@pytest.mark.parametrize("hinted", [True, pytest.param(False, marks=pytest.mark.slow)])   # ~20 s each
+def test_trainer_gspmd_step_of_a_scanned_gpt2_keeps_activations_split(tmp_path, monkeypatch, hinted):
+    """The trainer's own GSPMD step (``dpzero train --mesh data=2,fsdp=4 --scan-layers``, DP, ZeRO-3) traces its
+    gradient in ``spmd.batch_sharded``: its compiled program moves no activation; with the hint switched off, it
+    does (so this test can fail)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import contextlib
+
+    import hf_helpers
+
+    from dpzero_jax.train import TrainConfig, Trainer
+
+    if not hinted:
+        monkeypatch.setattr(spmd, "batch_sharded", lambda *args, **kwargs: contextlib.nullcontext())
+    ckpt = tmp_path / "gpt2"
+    hf_helpers.gpt2(ckpt, n_positions=24, n_layer=2)   # d 32, vocab 320: no weight has a 12 or 11 in its shape;
+    # wpe [24, 32] is replicated (under 1024 elements): its lookup of T rows is no collective
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(hf_helpers.corpus_sample(20_000)))
+    trainer = Trainer(TrainConfig(model=f"hf:{ckpt}", task="causal-lm", data=str(corpus), max_length=T,
+                                  scan_layers=True, mesh="data=2,fsdp=4", zero=3, steps=2, batch_size=16,
+                                  noise_multiplier=1.0, accountant="rdp", out=str(tmp_path / "run"),
+                                  checkpoint_every=0, progress=False, plot=False))
+    hlo = trainer.lower_step().compile().as_text()
+    moved = [line for line in hlo.splitlines() if _COLLECTIVE.search(line)
+             and re.search(rf"[\[,]({T}|{T - 1})[\],]", _COLLECTIVE.search(line).group(1))]
+    assert (moved == []) == hinted, moved[:3]
