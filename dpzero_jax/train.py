@@ -51,6 +51,7 @@ from dpzero_jax import (
     run_privacy,
     rundir,
     sharding,
+    spmd,
     validation,
 )
 from dpzero_jax import checkpoints as ckpt
@@ -321,15 +322,21 @@ class Trainer:
         if self.rules is not None and cfg.strategy == "explicit":  # gathers layer by layer, as the gradient does
             step_apply = bind(sharding.explicit_apply(apply_fn, self.rules, self.init_params))
 
+        # GSPMD: the scanned models' activations split over the batch, each weight gathered where used (spmd.py)
+        hint = (functools.partial(spmd.batch_sharded, self.rules.mesh, sharding.BATCH_AXES)
+                if self.rules is not None and cfg.strategy == "gspmd" else contextlib.nullcontext)
+
         def step(params, opt_state, batch, noise_key, mask, frozen, clip_state):
             """``frozen``: the model's frozen variables (or ``{}``); ``clip_state``: ``()``, or adaptive clipping's
             thresholds ``[M]`` (returned updated, with the released unclipped fractions ``[M]``)."""
             batch = _cast_inputs(batch, compute_dtype)
-            if adaptive is None:
-                losses, grads = gradient(params, batch, noise_key, mask, frozen)
-                fraction = ()
-            else:
-                losses, grads, norms = gradient(params, batch, noise_key, mask, frozen, clip_state)
+            with hint():
+                if adaptive is None:
+                    losses, grads = gradient(params, batch, noise_key, mask, frozen)
+                    fraction = ()
+                else:
+                    losses, grads, norms = gradient(params, batch, noise_key, mask, frozen, clip_state)
+            if adaptive is not None:
                 clip_state, fraction = adaptive_clipping.adapt(clip_state, norms, mask, noise_key, adaptive)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # fp32 master gradient
             if grad_shardings is not None:  # the ZeRO stage's gradient layout (reduce-scatter to the owners)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from dpzero_jax import nn
 from dpzero_jax.models.transformer import Block
+from dpzero_jax.spmd import constrain_batch
 
 # GELU variants by their Hugging Face names: the tanh approximation ("gelu_new", GPT-2's) or the exact erf form
 GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
@@ -122,12 +123,13 @@ def stacked_blocks(make_block, count: int, rngs: nnx.Rngs) -> nnx.Module:
 
 def scan_blocks(blocks: nnx.Module, x: jax.Array, remat: str = "none") -> jax.Array:
     """``x [B, T, d]`` through the stacked ``blocks`` in order: one ``lax.scan`` over the leading axis of their state
-    (trainable and frozen leaves alike, as a PEFT split leaves them); each block rematerialised by ``remat``."""
+    (trainable and frozen leaves alike, as a PEFT split leaves them); each block rematerialised by ``remat``. The
+    carry is split over the batch under a GSPMD step (:func:`dpzero_jax.spmd.constrain_batch`; else unchanged)."""
     graphdef, state = nnx.split(blocks)
 
     def step(x, layer):
-        return nnx.merge(graphdef, layer)(x), None
-    return jax.lax.scan(rematerialised(step, remat), x, state)[0]
+        return constrain_batch(nnx.merge(graphdef, layer)(constrain_batch(x))), None
+    return constrain_batch(jax.lax.scan(rematerialised(step, remat), constrain_batch(x), state)[0])
 
 
 # What the backward of a scanned block finds stored from its forward (``remat``):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpzero_jax.models.gpt2 import check_remat, rematerialised, stacked_blocks
+from dpzero_jax.spmd import constrain_batch
 
 # activations by their Hugging Face names: SiLU (SwiGLU) or GELU, tanh-approximated or exact (GeGLU)
 ACTIVATIONS = {"silu": jax.nn.silu,
@@ -292,10 +293,11 @@ class Llama(nnx.Module):
         if c.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
-            def step(x, layer_and_flag):
+            def step(x, layer_and_flag):   # the carry split over the batch under a GSPMD step (spmd.constrain_batch)
                 layer, slides = layer_and_flag
-                return nnx.merge(graphdef, layer)(x, cos, sin, layer_mask(slides)), None
-            x = jax.lax.scan(rematerialised(step, c.remat), x, (state, sliding))[0]
+                y = nnx.merge(graphdef, layer)(constrain_batch(x), cos, sin, layer_mask(slides))
+                return constrain_batch(y), None
+            x = constrain_batch(jax.lax.scan(rematerialised(step, c.remat), constrain_batch(x), (state, sliding))[0])
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, layer_mask(sliding[i]))

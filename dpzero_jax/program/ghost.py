@@ -30,7 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dpzero_jax import pergrad
+from dpzero_jax import pergrad, spmd
 from dpzero_jax.program import conv
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
@@ -164,7 +164,8 @@ def program_ghost(cfg, plan, params, batch, mask):
             for i, v in zip(fallback, copies_i):
                 local[i] = v
             return per_example(local, example, inputs_i)
-        return jax.vmap(one, in_axes=(0, 0, 0))(copies, list(batch_leaves), site_inputs)
+        return jax.vmap(one, in_axes=(0, 0, 0), spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves),
+                                                                                 site_inputs)
 
     site_inputs = {path: jnp.broadcast_to(_sink(site) if path in ghost_paths else bk.zero_probe(site),
                                           (size,) + tuple(site.lengths) + (() if path in ghost_paths else

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpzero_jax import clipping, pergrad
+from dpzero_jax import clipping, pergrad, spmd
 from dpzero_jax.program import conv
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
@@ -133,7 +133,9 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves):
     # scanned step's time); the example axis is then moved to the front, where the consumers absorb the move.
     depth = {path: len(site.lengths) for path, site in analysis.sites.items()}
     out_axes = (0, {path: [depth[path]] * len(site.recorded) for path, site in analysis.sites.items()}, depth, 0)
-    losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, 0), out_axes=out_axes)(
+    # spmd_axis_name: under a GSPMD step the example axis is split over the batch axes (dpzero_jax.spmd)
+    losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, 0), out_axes=out_axes,
+                                                      spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
         list(leaves), list(batch_leaves))
 
     def examples_first(tree):

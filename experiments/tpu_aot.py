@@ -1,0 +1,458 @@
+"""TPU-pod evidence by ahead-of-time compilation: large-model ZeRO-3 Adam steps, DP against non-DP, on TPU slices.
+
+No TPU is needed: libtpu compiles for a TPU topology on this CPU host (the set-up, its environment variables and the
+libtpu lock are described in ``experiments/bench_compiled.py``, whose HLO helpers this script reuses). Nothing runs;
+every number is read from the compiled TPU program of one training step.
+
+Models (the project's own classes, real shapes, layers stacked and scanned, built by ``nnx.eval_shape``: no weight
+is ever materialised):
+
+* ``gpt2-xl``    ``GPT2Config`` 48 layers, d 1600, 25 heads, vocab 50257, T 1024 (1.56B parameters);
+* ``gptj-6b``    GPT-J-6B's shape on the project's GPT-2 block: 28 layers, d 4096, 16 heads, MLP 16384, vocab 50400,
+                 untied head, T 2048 (6.05B; GPT-J's rotary / parallel block are not modelled: the sizes are);
+* ``llama2-7b``  ``LlamaConfig`` 32 layers, d 4096, MLP 11008, 32 heads, vocab 32000, T 2048 (6.74B);
+* ``llama2-70b`` 80 layers, d 8192, MLP 28672, 64 heads / 8 KV heads, vocab 32000, T 2048 (69B), LoRA rank 8 on
+                 q/k/v/o/gate/up/down (``peft.apply``); the frozen base weights are bf16 arguments of the step.
+
+The step (as ``dpzero_jax.train.Trainer`` builds it): gradient, cast to the fp32 master, constrained to the ZeRO-3
+gradient layout, ``optax.adam`` update; parameters and Adam moments sharded by ``sharding.ShardingRules(zero=3)``
+(fp32), activations bf16 (the model's ``dtype``), ``B`` examples per chip. ``nonprivate``: ``jax.value_and_grad`` of
+the masked mean loss; ``dp``: ``private_value_and_grad`` with ``mode="auto"`` (``target="tpu"``, partitionable
+noise). Strategy ``gspmd``: one ``jax.jit`` with the rules' shardings, the gradient traced in
+``dpzero_jax.spmd.batch_sharded`` as the trainer does (activations split over the batch); ``gspmd-nohint``: the same
+without it (what XLA's partitioner does unhinted); ``explicit``: ``sharding.explicit_*_gradient`` with
+``gather_by_layer=False`` (layer-by-layer gathering needs ``dz.nn`` layer calls, and the scanned models are planned by
+the program front-end: every weight is gathered before the local step).
+Mesh ``(data, fsdp)``: ``fsdp`` is the largest divisor of the device count for which every weight has a dimension
+it divides (:func:`largest_fsdp`; GPT-2 XL's d = 1600 = 2^6 x 25 allows 64, so on 256 chips the mesh is data=4 x
+fsdp=64: model states sharded 64 ways, batch over all 256).
+
+Per point: ``memory_analysis()`` (argument / output / alias / temporary bytes per device), ``cost_analysis()``
+FLOPs, every collective of the optimised HLO (kind, static count, bytes) and the largest ones by shape. A point the
+compiler refuses (a program larger than the chip's HBM) is recorded with the compiler's message and the used /
+available bytes it states; ``--topology`` (e.g. ``v5p:4x4x8``: 95 GB chips) recompiles the same step where it fits.
+The Pallas TPU kernels of ``dpzero_jax_kernels.ghost_norm`` are compiled (Mosaic, not interpreted) at GPT-2 XL widths
+on one chip of the slice (``--kernels``).
+
+::
+
+    PYTHONPATH=$PWD ALLOW_MULTIPLE_LIBTPU_LOAD=1 /work/venv-tpu/bin/python experiments/tpu_aot.py          # all
+    ... experiments/tpu_aot.py --cases gpt2-xl --variants nonprivate,dp --strategies gspmd
+    ... experiments/tpu_aot.py --cases gpt2-xl --strategies gspmd --remat none   # recorded as gpt2-xl+remat-none
+    ... experiments/tpu_aot.py --table          # the table of the JSON (no libtpu)
+
+Results are cached per point in ``experiments/results/tpu_aot.json`` (``--recompute`` ignores the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_compiled import (  # noqa: E402  (a sibling script, imported without JAX)
+    CHIPS,
+    GIB,
+    _arrays,
+    _is_oom,
+    collective_shapes,
+    load,
+    parse_collectives,
+    require_libtpu,
+    save,
+)
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
+VARIANTS = ("nonprivate", "dp")
+# gspmd-nohint: the gspmd step traced without dpzero_jax.spmd.batch_sharded (what the partitioner does unhinted)
+STRATEGIES = ("gspmd", "explicit", "gspmd-nohint")
+MIN_SHARD_ELEMENTS = 1024   # sharding.DEFAULT_MIN_SHARD_ELEMENTS (not imported: this module starts without JAX)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model on one TPU topology. ``config``: keyword arguments of ``GPT2Config`` / ``LlamaConfig``."""
+
+    name: str
+    family: str                 # "gpt2" | "llama"
+    config: tuple               # ((key, value), ...): hashable
+    T: int
+    B: int                      # examples per chip
+    topology: str
+    lora_rank: int = 0          # > 0: LoRA on the default targets, base weights frozen (bf16 arguments)
+    strategies: tuple = STRATEGIES
+
+
+GPT2_XL = dict(vocab_size=50257, n_positions=1024, n_embd=1600, n_layer=48, n_head=25)
+GPTJ_6B = dict(vocab_size=50400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16, n_inner=16384,
+               tie_word_embeddings=False)
+LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, max_position_embeddings=4096)
+LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096)
+CASES = {
+    "gpt2-xl": Case("gpt2-xl", "gpt2", tuple(GPT2_XL.items()), 1024, 1, "v5e:16x16",
+                    strategies=("gspmd", "explicit", "gspmd-nohint")),
+    "gptj-6b": Case("gptj-6b", "gpt2", tuple(GPTJ_6B.items()), 2048, 1, "v5e:16x16", strategies=("gspmd",)),
+    "llama2-7b": Case("llama2-7b", "llama", tuple(LLAMA2_7B.items()), 2048, 1, "v5e:16x16", strategies=("gspmd",)),
+    "llama2-70b-lora": Case("llama2-70b-lora", "llama", tuple(LLAMA2_70B.items()), 2048, 1, "v5p:4x4x8",
+                            lora_rank=8, strategies=("gspmd",)),
+}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Pure parts (no JAX): mesh choice, refusals, collectives, table.
+
+def largest_fsdp(shapes, devices: int, min_shard_elements: int = MIN_SHARD_ELEMENTS) -> int:
+    """The largest divisor ``f`` of ``devices`` such that every shape of at least ``min_shard_elements`` elements
+    has a dimension divisible by ``f`` (so ``sharding.weight_spec`` shards every weight ``f`` ways, none is left
+    replicated). ``shapes``: tuples of ints."""
+    big = [tuple(s) for s in shapes if math.prod(s) >= min_shard_elements]
+    for f in sorted((d for d in range(1, devices + 1) if devices % d == 0), reverse=True):
+        if all(any(size % f == 0 for size in shape) for shape in big):
+            return f
+    return 1
+
+
+# the TPU compiler's two out-of-memory phrasings: "Used 29.3G of 15.75G hbm" and "the total memory required for HLO
+# temporaries (16.16G) exceeds available HBM (15.75G)"
+_USED = (re.compile(r"Used\s+([\d.]+)([KMGT]?)\s+of\s+([\d.]+)([KMGT]?)\s+hbm", re.IGNORECASE),
+         re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)",
+                    re.IGNORECASE))
+_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def refusal(message: str) -> dict:
+    """``{"used_bytes", "hbm_bytes"}`` stated by a TPU compiler's out-of-memory message, or ``{}``."""
+    match = next((m for m in (pattern.search(message) for pattern in _USED) if m), None)
+    if not match:
+        return {}
+    used, used_unit, hbm, hbm_unit = match.groups()
+    return {"used_bytes": int(float(used) * _UNIT[used_unit.upper()]),
+            "hbm_bytes": int(float(hbm) * _UNIT[hbm_unit.upper()])}
+
+
+def largest_collectives(hlo_text: str, count: int = 6) -> list[dict]:
+    """The ``count`` collectives of an HLO module with the largest output buffers: ``{"op", "bytes"}`` (the op with
+    its result shape, layouts dropped), largest first."""
+    found = [{"op": text[:300], "bytes": sum(_arrays(text.split(" ", 1)[1] if " " in text else ""))}
+             for text in collective_shapes(hlo_text)]
+    return sorted(found, key=lambda item: -item["bytes"])[:count]
+
+
+def _gib(value) -> str:
+    return f"{value / GIB:.2f}"
+
+
+def table(points: dict) -> str:
+    """A Markdown table of the compiled points: per device temp / argument / output GiB, TFLOPs, collective MB, and
+    DP against the same case's non-private step (temp and collective-bytes ratios)."""
+    lines = ["| case | topology | mesh | strategy | step | temp GiB | args GiB | out GiB | TFLOPs | collectives "
+             "(count, MB) | DP/non-DP temp | DP/non-DP coll. bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(points):
+        r = points[key]
+        case, strategy, variant = key.split("/")
+        base = points.get(f"{case}/{strategy}/nonprivate", {})
+        head = f"| {case} | {r.get('topology', '-')} | {r.get('mesh', '-')} | {strategy} | {variant} |"
+        if "failed" in r:
+            used = (f" (needs {_gib(r['used_bytes'])} of {_gib(r['hbm_bytes'])} GiB)" if "used_bytes" in r else "")
+            lines.append(head + f" {r['failed']}{used}: {r['message'][:120]} |" + " |" * 6)
+            continue
+        colls = ", ".join(f"{k} {v['count']}, {v['bytes'] / 1e6:.0f}" for k, v in sorted(r["collectives"].items()))
+        ratio_temp = ratio_coll = "-"
+        if variant != "nonprivate" and "temp_bytes" in base:
+            ratio_temp = f"{r['temp_bytes'] / max(base['temp_bytes'], 1):.2f}x"
+            ratio_coll = f"{r['collective_bytes'] / max(base['collective_bytes'], 1):.2f}x"
+        lines.append(head + f" {_gib(r['temp_bytes'])} | {_gib(r['argument_bytes'])} | {_gib(r['output_bytes'])} "
+                     f"| {r['flops'] / 1e12:.1f} | {colls or '-'} | {ratio_temp} | {ratio_coll} |")
+    return "\n".join(lines)
+
+
+def kernel_table(kernels: dict) -> str:
+    lines = ["| kernel | shapes | Mosaic custom-calls | temp MiB | compile s |", "|---|---|---|---|---|"]
+    for name, r in sorted(kernels.items()):
+        if "failed" in r:
+            lines.append(f"| {name} | {r.get('shapes', '-')} | {r['failed']}: {r['message'][:120]} | | |")
+        else:
+            lines.append(f"| {name} | {r['shapes']} | {r['mosaic_calls']} | {r['temp_bytes'] / 2**20:.1f} "
+                         f"| {r['compile_seconds']} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Building and compiling (JAX with libtpu).
+
+def build(case: Case, remat: str):
+    """``(graphdef, abstract params, abstract frozen, trainable filter)``; LoRA cases: frozen weights as bf16."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dpzero_jax import peft
+    from dpzero_jax.models.gpt2 import GPT2, GPT2Config
+    from dpzero_jax.models.llama import Llama, LlamaConfig
+
+    kwargs = dict(case.config)
+    holder = {"filter": nnx.Param}
+
+    def make():
+        if case.family == "gpt2":
+            model = GPT2(GPT2Config(**kwargs, scan_layers=True, remat=remat), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+        else:
+            model = Llama(LlamaConfig(**kwargs, scan_layers=True, remat=remat), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+        if case.lora_rank:
+            model, holder["filter"] = peft.apply(model, "lora", rank=case.lora_rank, key=jax.random.key(1))
+        return model
+
+    model = nnx.eval_shape(make)
+    graphdef, params, frozen = nnx.split(model, holder["filter"], ...)
+    if case.lora_rank:
+        frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+                              if jnp.issubdtype(x.dtype, jnp.floating) else x, frozen)
+    return graphdef, params, frozen, holder["filter"]
+
+
+def make_mesh(case: Case, *trees):
+    import jax
+    from jax.experimental import topologies
+
+    from dpzero_jax import sharding
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=case.topology).devices
+    fsdp = largest_fsdp([x.shape for x in jax.tree.leaves(trees)], len(devices))
+    return sharding.make_mesh(sharding.MeshShape(data=len(devices) // fsdp, fsdp=fsdp), devices=devices)
+
+
+def make_step(case: Case, variant: str, strategy: str, graphdef, trainable, params, rules, global_batch: int):
+    """``step(params, opt_state, batch, key, mask, frozen) -> (params, opt_state, loss)``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import dpzero_jax as dz
+    from dpzero_jax import sharding, spmd
+    from dpzero_jax.models.objectives import lm_objective
+
+    params_struct = params   # abstract: the shapes the objective's model is rebuilt with (weights come as arguments)
+
+    def objective(frozen):   # built inside the step: the frozen weights are its arguments, not constants
+        _, fn = lm_objective(nnx.merge(graphdef, params_struct, frozen), trainable=trainable)
+        return fn
+
+    cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode="auto", target="tpu",
+                      expected_batch_size=global_batch, noise_rng="partitionable")
+    if strategy == "explicit":
+        def gradient(p, batch, key, mask, frozen):
+            loss = objective(frozen)
+            if variant == "nonprivate":
+                return sharding.explicit_mean_gradient(loss, rules, params_struct, gather_by_layer=False)(
+                    p, batch, key, mask)
+            return sharding.explicit_private_gradient(loss, cfg, rules, params_struct, gather_by_layer=False)(
+                p, batch, key, mask)
+    elif variant == "nonprivate":
+        def gradient(p, batch, key, mask, frozen):
+            def mean_loss(q):
+                losses = objective(frozen)(q, batch)
+                w = mask.astype(losses.dtype)
+                return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1.0), losses
+            (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(p)
+            return losses, grads
+    else:
+        def gradient(p, batch, key, mask, frozen):
+            loss = objective(frozen)
+            losses, grads, _ = dz.private_value_and_grad(loss, cfg)(p, batch, key, mask)
+            return losses, grads
+
+    tx = optax.adam(1e-4)
+    grad_shardings = rules.grads(params)
+
+    def step(p, opt_state, batch, key, mask, frozen):
+        if strategy == "gspmd":   # activations split over the batch (dpzero_jax.spmd), as the trainer does
+            with spmd.batch_sharded(rules.mesh):
+                losses, grads = gradient(p, batch, key, mask, frozen)
+        else:
+            losses, grads = gradient(p, batch, key, mask, frozen)
+        grads = jax.tree.map(lambda g, q: g.astype(q.dtype), grads, p)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        p = optax.apply_updates(p, updates)
+        w = mask.astype(jnp.float32)
+        return p, opt_state, jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / jnp.maximum(jnp.sum(w), 1.0)
+
+    return step, tx
+
+
+def compile_point(case: Case, variant: str, strategy: str, remat: str):
+    """Lower and compile one step; returns ``(compiled, mesh, seconds (lower, compile))``."""
+    import jax
+    import jax.numpy as jnp
+
+    from dpzero_jax import sharding
+
+    graphdef, params, frozen, trainable = build(case, remat)
+    mesh = make_mesh(case, params, frozen)
+    rules = sharding.ShardingRules(mesh, zero=3)
+    global_batch = case.B * mesh.devices.size
+    step, tx = make_step(case, variant, strategy, graphdef, trainable, params, rules, global_batch)
+    opt_state = jax.eval_shape(tx.init, params)
+    batch = {"input_ids": jax.ShapeDtypeStruct((global_batch, case.T), jnp.int32)}
+    mask = jax.ShapeDtypeStruct((global_batch,), jnp.bool_)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    shardings = (rules.params(params), rules.opt_state(opt_state), rules.batch(batch), rules.replicated,
+                 rules.batch(mask), rules.params(frozen))
+    args = (params, opt_state, batch, key, mask, frozen)
+    args = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args, shardings)
+    start = time.perf_counter()
+    lowered = jax.jit(step, donate_argnums=(0, 1), in_shardings=shardings,
+                      out_shardings=(shardings[0], shardings[1], rules.replicated)).lower(*args)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, mesh, (lowered_at - start, time.perf_counter() - lowered_at)
+
+
+def measure(case: Case, variant: str, strategy: str, remat: str) -> dict:
+    compiled, mesh, seconds = compile_point(case, variant, strategy, remat)
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hlo = compiled.as_text()
+    collectives = parse_collectives(hlo)
+    return {
+        "mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "collectives": collectives,
+        "collective_bytes": int(sum(c["bytes"] for c in collectives.values())),
+        "largest_collectives": largest_collectives(hlo),
+        "lower_seconds": round(seconds[0], 1),
+        "compile_seconds": round(seconds[1], 1),
+    }
+
+
+def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, remat: str, recompute: bool) -> dict:
+    points = data.setdefault("points", {})
+    key = f"{case.name}/{strategy}/{variant}"
+    if key in points and not recompute and points[key].get("failed") != "error":
+        return points[key]
+    print(f"compiling {key} on {case.topology} ...", flush=True)
+    try:
+        result = measure(case, variant, strategy, remat)
+        print(f"  temp {_gib(result['temp_bytes'])} GiB, args {_gib(result['argument_bytes'])} GiB, collectives "
+              f"{result['collective_bytes'] / 1e6:.0f} MB, compile {result['compile_seconds']} s", flush=True)
+    except Exception as error:  # a refusal is a result: recorded with the compiler's reason
+        text = str(error).strip()
+        result = {"failed": "oom" if _is_oom(error) else "error", "message": " ".join(text.split())[:3000]}
+        result.update(refusal(text))
+        print(f"  failed ({result['failed']}): {result['message'][:300]}", flush=True)
+    result.update(topology=case.topology, remat=remat, T=case.T, examples_per_chip=case.B)
+    points[key] = result
+    save(path, data)
+    return result
+
+
+# GPT-2 XL widths: left [B, T, rows] (block input), right [B, T, cols] (output gradient), one example per chip
+KERNEL_SHAPES = {"attn_qkv": (1600, 4800), "mlp_fc": (1600, 6400), "mlp_proj": (6400, 1600)}
+
+
+def compile_kernels(topology: str, T: int = 1024, B: int = 1) -> dict:
+    """Each Mosaic TPU kernel (``pallas_tpu``: Gram norm, ids Gram norm, instantiated norm, weighted sum) compiled
+    for one chip of ``topology`` at GPT-2 XL widths, bf16 inputs; ``mosaic_calls``: the ``tpu_custom_call``s of the
+    compiled HLO (a kernel lowered to plain XLA has none)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from dpzero_jax_kernels.ghost_norm import api
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    place = SingleDeviceSharding(device)
+
+    def struct(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=place)
+
+    ops = {}
+    for name, (rows, cols) in KERNEL_SHAPES.items():
+        left, right = struct((B, T, rows)), struct((B, T, cols))
+        ops[f"gram/{name}"] = (lambda a, b: api.gram_sq_norm(a, b, implementation="pallas_tpu", interpret=False),
+                               (left, right))
+        ops[f"instantiated/{name}"] = (
+            lambda a, b: api.instantiated_sq_norm(a, b, implementation="pallas_tpu", interpret=False), (left, right))
+        ops[f"weighted_sum/{name}"] = (
+            lambda a, b, c: api.weighted_sum(a, b, c, implementation="pallas_tpu", interpret=False),
+            (left, right, struct((B,), jnp.float32)))
+    ops["gram_ids/wte"] = (lambda a, b: api.gram_sq_norm(a, b, left_is_ids=True, implementation="pallas_tpu",
+                                                         interpret=False),
+                           (struct((B, T), jnp.int32), struct((B, T, 1600))))
+    results = {}
+    for name, (fn, args) in ops.items():
+        shapes = " x ".join(f"{a.dtype}{list(a.shape)}" for a in args)
+        try:
+            start = time.perf_counter()
+            compiled = jax.jit(fn).lower(*args).compile()
+            hlo = compiled.as_text()
+            results[name] = {"shapes": shapes, "mosaic_calls": hlo.count("tpu_custom_call"),
+                             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                             "compile_seconds": round(time.perf_counter() - start, 1)}
+        except Exception as error:
+            results[name] = {"shapes": shapes, "failed": "error", "message": " ".join(str(error).split())[:1000]}
+        print(f"kernel {name}: {results[name]}", flush=True)
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {tuple(CASES)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--topology", default=None, help="compile every case for this topology instead of its own "
+                        "(e.g. v5p:4x4x8 where v5e refuses); recorded under '<case>@<topology>'")
+    parser.add_argument("--remat", default="block", choices=("none", "block", "dots"))
+    parser.add_argument("--kernels", action="store_true", help="compile the Pallas TPU kernels only")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--table", action="store_true", help="print the JSON's tables (no compiling, no libtpu)")
+    args = parser.parse_args(argv)
+    data = load(args.out)
+    if not args.table:
+        require_libtpu()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        import jax
+
+        data["meta"] = {"jax": jax.__version__, "chips": {k: {"hbm_bytes": v[2]} for k, v in CHIPS.items()}}
+        if args.kernels:
+            data["kernels"] = compile_kernels(args.topology or "v5e:16x16")
+            save(args.out, data)
+        else:
+            for name in args.cases.split(","):
+                case = CASES[name]
+                if args.topology:
+                    case = dataclasses.replace(case, name=f"{case.name}@{args.topology}", topology=args.topology)
+                if args.remat != "block":   # the default is recorded under the case's own name
+                    case = dataclasses.replace(case, name=f"{case.name}+remat-{args.remat}")
+                for strategy in args.strategies.split(","):
+                    if strategy not in case.strategies:
+                        continue
+                    for variant in args.variants.split(","):
+                        run_point(data, args.out, case, variant, strategy, args.remat, args.recompute)
+    print(table(data.get("points", {})))
+    if data.get("kernels"):
+        print()
+        print(kernel_table(data["kernels"]))
+    return data
+
+
+if __name__ == "__main__":
+    main()
