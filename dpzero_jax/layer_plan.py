@@ -1,0 +1,230 @@
+"""The layers front-end's plan and what its modes share.
+
+:func:`make_plan` traces the loss once under a :class:`~dpzero_jax.tape.DiscoveryTape`: which layer calls use which
+trainable leaves, shapes, tied weights, the parameter groups; a trainable leaf used outside a supported layer is
+refused with its path (:class:`UnsupportedParameterError`). The modes (:mod:`dpzero_jax.modes`) compute from the
+plan; the helpers below turn per-path results into group norms and parameter-shaped sums.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpzero_jax import clipping
+from dpzero_jax import tape as tape_lib
+from dpzero_jax.config import DPConfig
+
+Array = jax.Array
+
+
+class DPStats(NamedTuple):
+    """Per-step statistics of the private gradient.
+
+    norms: ``[B]`` per-example gradient norms (``[B, M]`` with ``M > 1`` groups); clip_factors: same shape, the
+    coefficients actually applied (0 for masked or non-finite examples); num_nonfinite: examples (among those not
+    masked) whose loss or norm was non-finite and that were therefore dropped; num_included: examples that
+    contributed.
+    """
+
+    norms: Array
+    clip_factors: Array
+    num_nonfinite: Array
+    num_included: Array
+
+
+class UnsupportedParameterError(ValueError):
+    """A trainable parameter is used outside the supported DP layers."""
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_paths(tree) -> list[str]:
+    """``"a/b/0/kernel"``-style paths of the leaves of ``tree`` in flatten order (nnx's ``.value`` dropped)."""
+    paths = []
+    for keypath, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [_key_name(k) for k in keypath]
+        if len(names) > 1 and names[-1] == "value" and isinstance(keypath[-1], jax.tree_util.GetAttrKey):
+            names = names[:-1]
+        paths.append("/".join(names))
+    return paths
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one abstract trace of the loss tells the engine (static: no arrays)."""
+
+    paths: tuple[str, ...]                         # trainable leaves, flatten order
+    records: tuple[tape_lib.CallRecord, ...]       # layer calls that use trainable leaves, trace order
+    uses: dict[str, tuple[tuple[int, str], ...]]   # path -> ((call index, parameter name), ...)
+    group_of: dict[str, int]
+    group_names: tuple[str, ...]
+    thresholds: tuple[float, ...]
+    batch_size: int
+    outside: tuple[str, ...] = ()                  # trainable leaves used outside dpzero_jax layers
+    front_end: str = "layers"
+
+    @property
+    def shared_calls(self) -> frozenset[int]:
+        return frozenset(i for us in self.uses.values() if len(us) > 1 for i, _ in us)
+
+
+def _batch_size(batch) -> int:
+    sizes = {leaf.shape[0] if getattr(leaf, "ndim", 0) >= 1 else None for leaf in jax.tree.leaves(batch)}
+    if not sizes:
+        raise ValueError("the batch has no arrays")
+    if None in sizes or len(sizes) != 1:
+        shapes = jax.tree.map(lambda x: tuple(getattr(x, "shape", ())), batch)
+        raise ValueError(f"every array of the batch needs the same leading batch axis; got shapes {shapes}")
+    return sizes.pop()
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def _used_inputs(closed_jaxpr) -> list[bool]:
+    from jax._src.interpreters import partial_eval as pe  # no public API for dead-code elimination
+
+    _, used = pe.dce_jaxpr(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))
+    return used
+
+
+def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_supported: bool = True) -> Plan:
+    """Trace ``loss_fn`` abstractly once and plan the private gradient (see the module docstring)."""
+    leaves, treedef = jax.tree.flatten(params)
+    paths = leaf_paths(params)
+    for path, leaf in zip(paths, leaves):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(f"trainable parameter {path!r} has dtype {jnp.result_type(leaf)}; trainable "
+                            "parameters must be floating point (keep integer state out of params)")
+    batch_size = _batch_size(batch)
+    records: list[tape_lib.CallRecord] = []
+
+    def traced(leaves, batch):
+        discovery = tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)})
+        with tape_lib.active(discovery):
+            losses = loss_fn(jax.tree.unflatten(treedef, leaves), batch)
+        records.extend(discovery.records)
+        return losses
+
+    closed = jax.make_jaxpr(traced)(_abstract(leaves), _abstract(batch))
+    out = closed.out_avals
+    if len(out) != 1 or out[0].shape != (batch_size,):
+        raise ValueError(f"loss_fn must return per-example losses of shape [B] = ({batch_size},); got "
+                         f"{[tuple(a.shape) for a in out]}"
+                         f"{' (for (losses, aux) pass has_aux=True)' if len(out) > 1 else ''}")
+    used = _used_inputs(closed)[:len(leaves)]
+    outside = [path for path, u in zip(paths, used) if u]
+    if require_supported and outside:
+        raise UnsupportedParameterError(
+            f"trainable parameters used outside a supported DP layer: {outside}. This engine path needs "
+            "dpzero_jax layers (dpzero_jax.nn / dpzero_jax.ops); DPConfig(front_end='auto' or 'program') with "
+            "mode='bk' or 'auto' computes any model from its traced program, and mode='vmap' always works.")
+    trainable_records = tuple(r for r in records if r.param_paths)
+    uses: dict[str, list] = collections.defaultdict(list)
+    for record in trainable_records:
+        for name, path in record.param_paths:
+            uses[path].append((record.index, name))
+    layer_order = [clipping.parent(path) for r in trainable_records for _, path in r.param_paths]
+    group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
+    thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
+    return Plan(tuple(paths), trainable_records, {p: tuple(u) for p, u in uses.items()}, group_of, group_names,
+                tuple(float(t) for t in thresholds), batch_size, tuple(outside))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers shared by the modes.
+
+def _leaf_ids(params) -> dict[int, str]:
+    return {id(leaf): path for leaf, path in zip(jax.tree.leaves(params), leaf_paths(params))}
+
+
+def _group_sq(plan: Plan, sq_by_path: dict[str, Array]) -> Array:
+    """``[B, M]`` squared group norms from ``{path: [B]}``."""
+    size = next(iter(sq_by_path.values())).shape[0] if sq_by_path else plan.batch_size
+    group_sq = jnp.zeros((size, len(plan.group_names)), jnp.float32)
+    for path, sq in sq_by_path.items():
+        group_sq = group_sq.at[:, plan.group_of[path]].add(sq.astype(jnp.float32))
+    return group_sq
+
+
+def _assemble(params, grads_by_path: dict[str, Array]):
+    """A pytree like ``params`` with the given gradients (zeros for unused leaves)."""
+    leaves, treedef = jax.tree.flatten(params)
+    out = [grads_by_path[p].astype(leaf.dtype) if p in grads_by_path else jnp.zeros(leaf.shape, leaf.dtype)
+           for p, leaf in zip(leaf_paths(params), leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _call_params(record: tape_lib.CallRecord, call_params: dict, layout) -> dict:
+    """A captured call's parameters as the rule's ``per_example_grads`` reads them. With parameters stored as shards
+    the capture holds the shards; the rules read only the shapes of trainable parameters (the per-example gradient
+    is a function of the layer input and output gradient), so the whole weight's shape stands in for it."""
+    if layout is None:
+        return call_params
+    return {**call_params, **{name: layout.full(path) for name, path in record.param_paths}}
+
+
+def _scatter(layout, grads_by_path: dict[str, Array]) -> dict[str, Array]:
+    """Whole-weight gradients to their owners (identity without a layout)."""
+    if layout is None:
+        return grads_by_path
+    return {path: layout.scatter(path, grad) for path, grad in grads_by_path.items()}
+
+
+def _per_example_uses(plan: Plan, calls: dict[int, tuple], cotangents: dict[int, Array], paths,
+                      layout=None) -> dict:
+    """``{path: [PerExampleGrad, ...]}`` from captured ``calls[index] = (x, params)`` and output gradients."""
+    by_index = {r.index: r for r in plan.records}
+    cache: dict[int, dict] = {}
+    uses = {}
+    for path in paths:
+        uses[path] = []
+        for index, name in plan.uses[path]:
+            if index not in cache:
+                record = by_index[index]
+                x, call_params = calls[index]
+                cache[index] = record.rule.per_example_grads(_call_params(record, call_params, layout), x,
+                                                             cotangents[index], record.spec)
+            uses[path].append(cache[index][name])
+    return uses
+
+
+class _Clipped(NamedTuple):
+    losses: Array        # [B]
+    clipped_sum: Any     # pytree like params, sum_i C_{m,i} g_{m,i}
+    norms: Array         # [B, M]
+    coef: Array          # [B, M]
+
+
+def _keep(losses, mask):
+    return jnp.logical_and(mask, jnp.isfinite(losses))
+
+
+def _microbatches(batch, mask, chunk: int):
+    """Split ``[B, ...]`` arrays into ``[n, chunk, ...]`` (padding with masked examples) and a function undoing it."""
+    batch_size = _batch_size(batch)
+    n_chunks = -(-batch_size // chunk)
+    padded = n_chunks * chunk - batch_size
+
+    def split(x):
+        if padded:
+            x = jnp.concatenate([x, jnp.zeros((padded,) + x.shape[1:], x.dtype)])
+        return x.reshape((n_chunks, chunk) + x.shape[1:])
+
+    def unsplit(x):
+        return x.reshape((n_chunks * chunk,) + x.shape[2:])[:batch_size]
+
+    return jax.tree.map(split, batch), split(mask), unsplit
