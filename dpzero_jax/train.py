@@ -229,8 +229,7 @@ class Trainer:
             adaptive_clipping.DEFAULT_COUNT_NOISE_FRACTION, expected_batch_size=cfg.batch_size,
             learning_rate=cfg.clip_lr)
         self.count_noise_multiplier = self.adaptive.count_noise_multiplier(len(groups))
-        self.gradient_noise_multiplier = adaptive_clipping.gradient_noise_multiplier(self.noise_multiplier,
-                                                                                     self.count_noise_multiplier)
+        self.gradient_noise_multiplier = self.adaptive.gradient_noise_multiplier(self.noise_multiplier, len(groups))
         self.initial_thresholds = clipping.thresholds(cfg.max_grad_norm, len(groups), None)
 
     def _clip_row(self, thresholds, fraction) -> dict:
