@@ -335,7 +335,8 @@ class Trainer:
                     fraction = ()
                 else:
                     losses, grads, norms = gradient(params, batch, noise_key, mask, frozen, clip_state)
-            if adaptive is not None:
+            if adaptive is not None:   # the update in units of the thresholds it was clipped with, then the rule
+                grads = adaptive_clipping.normalize_update(grads, clip_state, adaptive)
                 clip_state, fraction = adaptive_clipping.adapt(clip_state, norms, mask, noise_key, adaptive)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # fp32 master gradient
             if grad_shardings is not None:  # the ZeRO stage's gradient layout (reduce-scatter to the owners)

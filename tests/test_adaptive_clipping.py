@@ -4,6 +4,7 @@ thresholds work in every engine mode and sharded over 8 virtual devices."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import dp_accounting
@@ -300,3 +301,33 @@ def test_optax_clipped_grad_takes_thresholds():
     assert float(out.l2_sensitivity) == pytest.approx(math.hypot(0.2, 0.07), rel=1e-6)
     for x, y in zip(jax.tree.leaves(out.grad_sum), jax.tree.leaves(fixed.grad_sum), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_normalize_update_divides_by_the_threshold_norm():
+    grads = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16)}
+    thresholds = jnp.asarray([3.0, 4.0])   # ||C|| = 5
+    rule = adaptive_clipping.AdaptiveClipping(0.5, count_noise_std=1.0, expected_batch_size=8)
+    out = adaptive_clipping.normalize_update(grads, thresholds, rule)
+    np.testing.assert_allclose(out["w"], np.arange(6.0).reshape(2, 3) / 5.0, rtol=1e-6)
+    assert out["b"].dtype == jnp.bfloat16 and np.allclose(np.asarray(out["b"], np.float32), 0.2, rtol=1e-2)
+    off = dataclasses.replace(rule, normalize_update=False)
+    assert adaptive_clipping.normalize_update(grads, thresholds, off) is grads
+    with pytest.raises(ValueError, match="normalize_update"):
+        dataclasses.replace(rule, normalize_update=1)
+
+
+def test_a_huge_initial_threshold_gives_the_optimizer_unit_noise(tmp_path):
+    """Started at R = 1e4 (every example far inside), the first step's update is noise whose scale does not depend on
+    R: SGD's first step moves the parameters by ``lr * z_g * ||N(0, I_P)|| / B``, i.e. ``lr z_g sqrt(P) / B`` to
+    within the chi distribution's ``1 / sqrt(2P)`` spread (the clipped sum's share is ~||g|| / R = 1e-4 of it).
+    Without the division by ``||C||`` it would be 1e4 times larger."""
+    config = TrainConfig(out=str(tmp_path), **{**RUN, "steps": 1, "checkpoint_every": 0, "max_grad_norm": 1e4,
+                                                 "log_every": 1})
+    trainer = Trainer(config)
+    before = jax.tree.map(np.asarray, trainer.init_params)
+    result = trainer.run()
+    deltas = jax.tree.leaves(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, result.params, before))
+    moved = math.sqrt(sum(float(np.sum(d ** 2)) for d in deltas))
+    count = sum(d.size for d in deltas)
+    expected = RUN["lr"] * result.gradient_noise_multiplier * math.sqrt(count) / RUN["batch_size"]
+    assert moved == pytest.approx(expected, rel=0.05)
