@@ -48,13 +48,13 @@ from dpzero_jax import (
     models,
     optim,
     rmm,
-    run_privacy,
     rundir,
     sharding,
     spmd,
     validation,
 )
 from dpzero_jax import checkpoints as ckpt
+from dpzero_jax.accounting import run as run_privacy
 from dpzero_jax.config import DPConfig
 from dpzero_jax.engine import make_plan, private_value_and_grad
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
@@ -141,7 +141,7 @@ class Trainer:
             default_steps = math.ceil(cfg.epochs / self.sampling_rate)
         self.steps = cfg.steps if cfg.steps is not None else max(1, default_steps)
         poisson = cfg.sampling == "poisson"
-        accounting_start = time.perf_counter()   # the run's privacy arithmetic: dpzero_jax.run_privacy
+        accounting_start = time.perf_counter()   # the run's privacy arithmetic: dpzero_jax.accounting.run
         self.noise_multiplier = run_privacy.noise_multiplier(cfg, self.sampling_rate, self.steps, n)
         # the epsilon the run will end at, known before training (None without a formal guarantee)
         self.planned_epsilon = None if not self.formal_guarantee else run_privacy.planned_epsilon(

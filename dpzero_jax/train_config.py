@@ -38,7 +38,7 @@ RESUMABLE_CHANGES = ("out", "progress", "plot", "log_every", "checkpoint_every",
                      "process_id", "rmm_diagnostics_every", "export", "tensorboard", "wandb_project")
 EPSILON_DEFAULT = 3.0
 CLIP_FNS = ("abadi", "automatic", "global")
-# a Poisson batch cap above this many times the expected batch is refused (run_privacy.poisson_sampler)
+# a Poisson batch cap above this many times the expected batch is refused (accounting.run.poisson_sampler)
 MAX_CAP_FACTOR = 4
 
 

@@ -10,6 +10,7 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from dpzero_jax import accounting as acc
+from dpzero_jax.accounting import calibration
 
 DELTA = 1e-5
 
@@ -83,15 +84,15 @@ def test_calibration_against_dp_accounting(target, q, steps, monkeypatch):
         a.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
         return a.get_epsilon(delta)
 
-    acc._calibrate.cache_clear()
-    acc._EPSILONS.clear()
+    calibration._calibrate.cache_clear()
+    calibration._EPSILONS.clear()
     sigma = acc.calibrate_noise(target, q, steps, delta)
     expected = scratch(sigma)
     assert expected <= target < scratch(sigma * (1 - rtol))
     composed = []
     for name in ("_compose_from_scratch", "_composed"):
-        original = getattr(acc, name)
-        monkeypatch.setattr(acc, name, lambda *a, _f=original: composed.append(a) or _f(*a))
+        original = getattr(calibration, name)
+        monkeypatch.setattr(calibration, name, lambda *a, _f=original: composed.append(a) or _f(*a))
     ledger = acc.PrivacyLedger()
     ledger.record(sigma, q, steps=steps)
     assert ledger.epsilon(delta) == expected and composed == []
@@ -101,7 +102,7 @@ def test_calibration_start_is_an_upper_rdp_bound():
     """Calibration starts its PLD search from an RDP bound over integer orders only: never below the bound over
     dp_accounting's default orders (fewer orders, a looser bound), so the start stays on the safe side."""
     q, steps, delta = 256 / 1437, 3000, DELTA
-    start = acc._rdp_start(50.0, q, steps, delta)
+    start = calibration._rdp_start(50.0, q, steps, delta)
     full = rdp.RdpAccountant()
     full.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(start)), steps)
     few = rdp.RdpAccountant(list(acc.START_RDP_ORDERS))

@@ -1,62 +1,16 @@
-"""Privacy accounting for DP training, built on Google's ``dp_accounting``.
-
-What is accounted
------------------
-One *step* is one **logical** batch: the noise is added once per logical batch (however many micro-batches or
-devices it was split across), so gradient accumulation does not change the accounting.  Each step is a sampled
-Gaussian mechanism with ``noise_multiplier`` = (noise standard deviation) / (clipping norm C).
-
-Sampling scheme and adjacency
------------------------------
-* ``sampling="poisson"`` (the default, and the only scheme of :func:`epsilon`, :func:`calibrate_noise` and
-  :func:`max_steps`): every example joins a batch independently with probability ``sampling_rate`` (q).  The
-  guarantee is for **add-or-remove-one** adjacency, and it only holds if the data really were Poisson sampled.
-  It does not hold for shuffled fixed-size batches.
-* ``sampling="fixed-size"`` (``PrivacyLedger.record`` only): batches of exactly ``batch_size`` drawn uniformly
-  without replacement from ``dataset_size`` examples.  ``dp_accounting`` supports this only with the RDP accountant
-  and **replace-one** adjacency (the dataset size is public).  Under replace-one the sum of clipped
-  contributions has sensitivity 2C, so the accountant is given ``noise_multiplier / 2``.  The PLD accountant does not
-  support this event, so asking for ``accountant="pld"`` raises a ``ValueError`` (nothing is switched silently).
-  Poisson and fixed-size events use different adjacency relations and cannot be mixed in one ledger.
-
-Truncated Poisson batches (static shapes)
------------------------------------------
-A jitted step has a fixed number of slots, so the trainer's Poisson sampler truncates a batch that exceeds its
-capacity (probability ``eta`` per step, typically ~1e-12).  The truncated mechanism differs from the exact Poisson
-mechanism by at most ``eta`` in total variation on every dataset, so ``T`` such steps that are ``(eps, delta0)``-DP
-when untruncated are ``(eps, delta0 + (1 + e^eps) * sum_t eta_t)``-DP.  A ledger entry may carry
-``truncation_probability`` (``eta``, computed for the larger of two neighbouring datasets); then
-:meth:`PrivacyLedger.epsilon` reports the smallest ``eps`` it can certify with ``delta0 = delta - (1 + e^eps) *
-sum eta`` (:func:`certified_epsilon`: one call when the charge is at most ``TRUNCATION_SHARE`` = 1e-3 of delta,
-else a fixed point solved from below and verified).  Nothing is approximated silently: a truncation that actually
-happened is also listed in ``PrivacyLedger.overflowed_steps``.
-
-The batch cap (how many slots a step has) is therefore part of the privacy budget.  The trainer sizes it before
-training from the epsilon the run will end at (:func:`plan_overflow_target`): the per-step ``eta`` is chosen so that
-``T * eta * (1 + e^(eps_final + CAP_MARGIN)) <= TRUNCATION_SHARE * delta``; every row of the run is then certified
-at ``delta * (1 - TRUNCATION_SHARE)``, and ``dpzero privacy --dataset-size N`` reproduces the same cap and charge.
-
-Running epsilon
----------------
-:meth:`PrivacyLedger.epsilon` composes the whole ledger from scratch (``dp_accounting``'s own accountants; the
-last few compositions are memoised); it is the accountant of record.  The trainer's per-row epsilon comes from
-:class:`dpzero_jax.running_accountant.RunningAccountant`, which composes only the steps added since its last row.
-"""
+"""Epsilon and noise calibration of Poisson (and fixed-size) subsampled Gaussian steps, on ``dp_accounting``; the
+composition of ledger entries from scratch and its memo. See :mod:`dpzero_jax.accounting` for what is accounted."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import numbers
-from typing import Any
 
 import dp_accounting
 from dp_accounting import pld, rdp
-
-__all__ = ["epsilon", "calibrate_noise", "max_steps", "PrivacyLedger"]
 
 ACCOUNTANTS = ("pld", "rdp")
 SAMPLINGS = ("poisson", "fixed-size")
@@ -174,9 +128,16 @@ def epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: fl
     _check_accountant(accountant)
     if sampling == "fixed-size":
         n, m = _fixed_size_batch(q, dataset_size)
-        ledger = PrivacyLedger()
-        ledger.record(sigma, steps=steps, sampling="fixed-size", dataset_size=n, batch_size=m)
-        return ledger.epsilon(delta, accountant)
+        if steps == 0:
+            return 0.0
+        if sigma == 0:
+            return math.inf
+        if accountant == "pld":
+            raise ValueError('fixed-size (without-replacement) sampling is not supported by the PLD accountant; '
+                             'use accountant="rdp"')
+        key = ((("batch_size", m), ("count", steps), ("dataset_size", n), ("noise_multiplier", sigma),
+                ("sampling", "fixed-size")),)
+        return _from_scratch_epsilon(key, delta, accountant)
     if sampling != "poisson":
         raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     if steps == 0:
@@ -375,97 +336,31 @@ def max_steps(noise_multiplier: float, sampling_rate: float, target_epsilon: flo
     return lo
 
 
-TRUNCATION_SHARE = 1e-3  # share of delta that the truncation of Poisson batches may take (module doc)
-CAP_MARGIN = 1.0  # nats of headroom above the planned epsilon when sizing the batch cap (plan_overflow_target)
+def entries_event(entries) -> dp_accounting.DpEvent:
+    """The composed ``dp_accounting`` event of ledger entries (dicts as :meth:`PrivacyLedger.record` makes them;
+    fixed-size sigma halved: replace-one adjacency).
 
-
-def certified_epsilon(eps_at, mass: float, delta: float) -> float:
-    """Smallest epsilon certified at ``delta`` when truncation has total-variation mass ``mass`` (module doc).
-
-    ``eps_at(d)``: epsilon of the untruncated composed mechanism at delta ``d``. Claiming ``eps`` leaves
-    ``delta - mass * (1 + e^eps)`` for the mechanism, so ``eps`` is certified iff ``eps >= eps_at(that)``.
-
-    * ``mass == 0``: ``eps_at(delta)``.
-    * One call (the trainer's case, where the batch cap is sized for it): ``e = eps_at(delta * (1 - share))`` with
-      ``share = TRUNCATION_SHARE`` is certified when ``mass * (1 + e^e) <= share * delta``.
-    * Otherwise the fixed point is iterated from below and each candidate verified; ``inf`` when nothing can be
-      certified (a truncation mass comparable to delta).
+    With adaptive clipping an entry's inner event is the composition of the gradient's and the count's Gaussians
+    (``dp_accounting``'s RDP accountant composes it; its PLD accountant takes only a Gaussian there, so the ledger's
+    epsilon composes the equivalent Gaussian at ``noise_multiplier``: :mod:`dpzero_jax.adaptive_clipping`).
     """
-    if mass == 0:
-        return eps_at(delta)
-
-    def mechanism_delta(eps: float) -> float:  # delta left for the untruncated mechanism if we claim eps
-        return delta - mass * (1.0 + math.exp(min(eps, 700.0)))
-
-    e = eps_at(delta * (1.0 - TRUNCATION_SHARE))
-    if mass * (1.0 + math.exp(min(e, 700.0))) <= TRUNCATION_SHARE * delta:
-        return e
-    eps = eps_at(delta)
-    for _ in range(20):
-        d = mechanism_delta(eps)
-        if d <= 0:
-            return math.inf
-        nxt = eps_at(d)
-        if nxt <= eps:
-            return eps
-        eps = nxt * (1 + 1e-9) + 1e-12
-    return math.inf  # not certified (only with a truncation mass comparable to delta)
-
-
-def plan_overflow_target(steps: int, delta: float, final_epsilon: float) -> float:
-    """Per-step truncation probability bound for a run of ``steps`` that will end at ``final_epsilon``.
-
-    Chosen so that the charge ``steps * eta * (1 + e^(final_epsilon + CAP_MARGIN))`` is ``TRUNCATION_SHARE * delta``:
-    then :func:`certified_epsilon` certifies every row of the run in one call (the margin covers rows computed at a
-    coarser PLD resolution).  0.0 when no positive bound is representable (the cap must then hold ``N + 1``, which
-    never truncates).
-    """
-    steps, delta = _check_steps(steps), _check_delta(delta)
-    if not final_epsilon >= 0:
-        raise ValueError(f"final_epsilon must be a number >= 0, got {final_epsilon!r}")
-    exponent = final_epsilon + CAP_MARGIN
-    if steps == 0:
-        return 1e-9
-    if exponent > 700.0:
-        return 0.0
-    return min(1e-9, TRUNCATION_SHARE * delta / (max(steps, 1) * (1.0 + math.exp(exponent))))
-
-
-def planned_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
-                    accountant: str = "pld") -> float:
-    """A quick upper bound on the epsilon of ``steps`` Poisson steps, for sizing the batch cap before training.
-
-    RDP (cheap; never below PLD up to discretisation), then for ``accountant="pld"`` the PLD at
-    :func:`coarse_interval` of that value (pessimistic, within ~0.2% of full resolution), the smaller of the two.
-    Skipped when RDP already exceeds 700 (no truncation is affordable then anyway). Not the run's epsilon of
-    record, which is composed from scratch at full resolution at the end."""
-    sigma, q, steps, delta = _check_noise(noise_multiplier), _check_rate(sampling_rate), _check_steps(steps), \
-        _check_delta(delta)
-    _check_accountant(accountant)
-    upper = epsilon(sigma, q, steps, delta, "rdp")
-    if accountant == "rdp" or not upper <= 700.0:
-        return upper
-    coarse = pld.PLDAccountant(value_discretization_interval=coarse_interval(upper))
-    coarse.compose(_poisson_event(sigma, q, steps))
-    return min(upper, float(coarse.get_epsilon(delta)))
-
-
-def epsilon_of_record(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
-                      accountant: str = "pld") -> float:
-    """What :meth:`PrivacyLedger.epsilon` will report for ``steps`` Poisson steps at (sigma, q) whose truncation
-    charge stays within ``TRUNCATION_SHARE`` of delta (the trainer's batch cap sees to it): ``dp_accounting``'s
-    from-scratch composition at ``delta * (1 - TRUNCATION_SHARE)``, at its default resolution. Computed now and
-    remembered (``_EPSILONS``; the composition itself is not kept), so that the ledger's own call finds it: the
-    trainer asks before training, spending the time and memory of the composition before the first step instead of
-    after the last (free for a calibrated sigma, which calibration already composed)."""
-    sigma, q, steps, delta = _check_noise(noise_multiplier), _check_rate(sampling_rate), _check_steps(steps), \
-        _check_delta(delta)
-    _check_accountant(accountant)
-    if steps == 0 or sigma == 0:
-        return 0.0 if steps == 0 else math.inf
-    key = _poisson_key(sigma, q, steps)
-    return _from_scratch_epsilon(key, delta * (1.0 - TRUNCATION_SHARE), accountant,
-                                 lambda: _compose_from_scratch(key, accountant))
+    events = []
+    for e in entries:
+        if "count_noise_multiplier" in e:
+            parts = (e["gradient_noise_multiplier"], e["count_noise_multiplier"])
+        else:
+            parts = (e["noise_multiplier"],)
+        if e["sampling"] == "poisson":
+            inner = [dp_accounting.GaussianDpEvent(z) for z in parts]
+            sampled = dp_accounting.PoissonSampledDpEvent(
+                e["sampling_rate"], inner[0] if len(inner) == 1 else dp_accounting.ComposedDpEvent(inner))
+        else:
+            inner = [dp_accounting.GaussianDpEvent(z / 2.0) for z in parts]
+            sampled = dp_accounting.SampledWithoutReplacementDpEvent(
+                e["dataset_size"], e["batch_size"],
+                inner[0] if len(inner) == 1 else dp_accounting.ComposedDpEvent(inner))
+        events.append(dp_accounting.SelfComposedDpEvent(sampled, e["count"]))
+    return dp_accounting.ComposedDpEvent(events)
 
 
 _NOT_MECHANISM = ("truncation_probability", "count_noise_multiplier", "gradient_noise_multiplier")
@@ -480,9 +375,8 @@ def _mechanism_key(entries: tuple) -> tuple:
 
 def _compose_from_scratch(key: tuple, accountant: str) -> dp_accounting.PrivacyAccountant:
     """``dp_accounting`` accountant (default resolution) that has composed the ledger ``key`` from scratch."""
-    ledger = PrivacyLedger()
-    ledger.entries = [dict(e) for e in key]
-    replace_one = ledger.entries[0]["sampling"] == "fixed-size"
+    entries = [dict(e) for e in key]
+    replace_one = entries[0]["sampling"] == "fixed-size"
     if accountant == "pld":
         if replace_one:
             raise ValueError(
@@ -492,7 +386,7 @@ def _compose_from_scratch(key: tuple, accountant: str) -> dp_accounting.PrivacyA
     else:
         acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE) if replace_one \
             else rdp.RdpAccountant()
-    acc.compose(ledger.dp_event())
+    acc.compose(entries_event(entries))
     return acc
 
 
@@ -518,165 +412,3 @@ def _from_scratch_epsilon(key: tuple, delta: float, accountant: str, compose=Non
             del _EPSILONS[next(iter(_EPSILONS))]
         _EPSILONS[memo] = float(acc.get_epsilon(delta))
     return _EPSILONS[memo]
-
-
-@functools.lru_cache(maxsize=256)
-def _ledger_epsilon(entries: tuple, delta: float, accountant: str) -> float:
-    """Epsilon of a ledger given as a hashable tuple of its entries, composed from scratch by ``dp_accounting``."""
-    key = _mechanism_key(entries)
-    mass = math.fsum(dict(e).get("truncation_probability", 0.0) * dict(e)["count"] for e in entries)
-    return certified_epsilon(lambda d: _from_scratch_epsilon(key, d, accountant), mass, delta)
-
-
-class PrivacyLedger:
-    """Record of every composed DP event; consecutive identical events are merged into one entry with a count.
-
-    ``overflowed_steps``: steps whose Poisson batch was actually truncated (already covered by the entries'
-    ``truncation_probability``; listed so a reviewer sees that it happened).
-    """
-
-    def __init__(self) -> None:
-        self.entries: list[dict[str, Any]] = []
-        self.overflowed_steps: list[int] = []
-
-    def record(self, noise_multiplier: float, sampling_rate: float | None = None, steps: int = 1,
-               sampling: str = "poisson", dataset_size: int | None = None, batch_size: int | None = None,
-               truncation_probability: float = 0.0, count_noise_multiplier: float | None = None) -> None:
-        """Record ``steps`` logical steps. ``fixed-size`` needs ``dataset_size`` and ``batch_size``.
-
-        ``truncation_probability``: per-step probability that a Poisson batch exceeded the static capacity and was
-        truncated (module doc); 0 for exact Poisson sampling.
-
-        ``count_noise_multiplier`` (adaptive clipping, :mod:`dpzero_jax.adaptive_clipping`): each step also released
-        the noised counts of unclipped examples with this noise multiplier ``z_b`` on the same batch. Then
-        ``noise_multiplier`` is the step's total sigma, the gradient's share ``z_g = (sigma^-2 - z_b^-2)^-1/2`` is
-        recorded with it (``gradient_noise_multiplier``), and :meth:`dp_event` composes both Gaussians inside one
-        sampling event -- exactly a Gaussian at sigma, which is what the epsilon is computed from.
-        """
-        sigma, steps = _check_noise(noise_multiplier), _check_steps(steps)
-        split = {}
-        if count_noise_multiplier is not None:
-            from dpzero_jax import adaptive_clipping
-
-            z_b = _check_noise(count_noise_multiplier)
-            split = {"count_noise_multiplier": z_b,
-                     "gradient_noise_multiplier": adaptive_clipping.gradient_noise_multiplier(sigma, z_b)}
-        if not isinstance(truncation_probability, numbers.Real) or not 0 <= truncation_probability < 1:
-            raise ValueError(f"truncation_probability must be in [0, 1), got {truncation_probability!r}")
-        if sampling == "poisson":
-            if sampling_rate is None:
-                raise ValueError("sampling_rate is required for sampling='poisson'")
-            entry = {"sampling": sampling, "noise_multiplier": sigma, "sampling_rate": _check_rate(sampling_rate)}
-            if truncation_probability > 0:
-                entry["truncation_probability"] = float(truncation_probability)
-        elif sampling == "fixed-size":
-            if dataset_size is None or batch_size is None:
-                raise ValueError("dataset_size and batch_size are required for sampling='fixed-size'")
-            if truncation_probability:
-                raise ValueError("truncation_probability applies to Poisson sampling only")
-            n, m = _check_steps(dataset_size, "dataset_size"), _check_steps(batch_size, "batch_size")
-            if not 0 < m <= n:
-                raise ValueError(f"batch_size must be in [1, dataset_size={n}], got {m}")
-            if sampling_rate is not None and not math.isclose(_check_rate(sampling_rate), m / n, rel_tol=1e-9):
-                raise ValueError(f"sampling_rate={sampling_rate} does not equal batch_size / dataset_size = {m / n}")
-            entry = {"sampling": sampling, "noise_multiplier": sigma, "dataset_size": n, "batch_size": m}
-        else:
-            raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
-        entry.update(split)
-        if steps == 0:
-            return
-        last = self.entries[-1] if self.entries else None
-        if last is not None and {k: v for k, v in last.items() if k != "count"} == entry:
-            last["count"] += steps
-        else:
-            self.entries.append({**entry, "count": steps})
-
-    def record_overflow(self, step: int) -> None:
-        """Note that the batch of ``step`` was truncated (its probability is already in the entries)."""
-        self.overflowed_steps.append(_check_steps(step, "step"))
-
-    @property
-    def steps(self) -> int:
-        return sum(e["count"] for e in self.entries)
-
-    @property
-    def truncation_mass(self) -> float:
-        """``sum_t eta_t``: total-variation distance between the run and exact Poisson sampling."""
-        return math.fsum(e.get("truncation_probability", 0.0) * e["count"] for e in self.entries)
-
-    def dp_event(self) -> dp_accounting.DpEvent:
-        """The composed ``dp_accounting`` event of the ledger (fixed-size sigma already halved, see module doc).
-
-        Truncation is not part of the event; :meth:`epsilon` accounts it through ``delta``.
-        With adaptive clipping an entry's inner event is the composition of the gradient's and the count's Gaussians
-        (``dp_accounting``'s RDP accountant composes it; its PLD accountant takes only a Gaussian there, so
-        :meth:`epsilon` composes the equivalent Gaussian at ``noise_multiplier``: :mod:`dpzero_jax.adaptive_clipping`).
-        """
-        events = []
-        for e in self.entries:
-            if "count_noise_multiplier" in e:
-                parts = (e["gradient_noise_multiplier"], e["count_noise_multiplier"])
-            else:
-                parts = (e["noise_multiplier"],)
-            if e["sampling"] == "poisson":
-                inner = [dp_accounting.GaussianDpEvent(z) for z in parts]
-                sampled = dp_accounting.PoissonSampledDpEvent(
-                    e["sampling_rate"], inner[0] if len(inner) == 1 else dp_accounting.ComposedDpEvent(inner))
-            else:
-                inner = [dp_accounting.GaussianDpEvent(z / 2.0) for z in parts]
-                sampled = dp_accounting.SampledWithoutReplacementDpEvent(
-                    e["dataset_size"], e["batch_size"],
-                    inner[0] if len(inner) == 1 else dp_accounting.ComposedDpEvent(inner))
-            events.append(dp_accounting.SelfComposedDpEvent(sampled, e["count"]))
-        return dp_accounting.ComposedDpEvent(events)
-
-    def epsilon(self, delta: float, accountant: str = "pld") -> float:
-        """Epsilon of everything recorded, at ``delta`` (truncation included, see the module doc)."""
-        delta = _check_delta(delta)
-        _check_accountant(accountant)
-        if not self.entries:
-            return 0.0
-        schemes = {e["sampling"] for e in self.entries}
-        if len(schemes) > 1:
-            raise ValueError("ledger mixes poisson and fixed-size events (different adjacency); cannot account it")
-        if any(e["noise_multiplier"] == 0 for e in self.entries):
-            return math.inf
-        key = tuple(tuple(sorted(e.items())) for e in self.entries)
-        return _ledger_epsilon(key, delta, accountant)
-
-    def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"version": 1, "events": [dict(e) for e in self.entries]}
-        if self.overflowed_steps:
-            data["overflowed_steps"] = list(self.overflowed_steps)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PrivacyLedger:
-        if data.get("version") != 1:
-            raise ValueError(f"unsupported ledger version {data.get('version')!r}")
-        ledger = cls()
-        for e in data["events"]:
-            e = dict(e)
-            saved_split = e.pop("gradient_noise_multiplier", None)
-            ledger.record(e.pop("noise_multiplier"), steps=e.pop("count"), **e)
-            derived = ledger.entries[-1].get("gradient_noise_multiplier") if ledger.entries else None
-            if saved_split is not None and not math.isclose(saved_split, derived, rel_tol=1e-12):
-                raise ValueError(f"ledger entry {e}: gradient_noise_multiplier {saved_split!r} is not the split of "
-                                 f"its noise multipliers ({derived!r})")
-        for step in data.get("overflowed_steps", []):
-            ledger.record_overflow(step)
-        return ledger
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> PrivacyLedger:
-        return cls.from_dict(json.loads(text))
-
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, PrivacyLedger) and self.entries == other.entries
-                and self.overflowed_steps == other.overflowed_steps)
-
-    def __repr__(self) -> str:
-        return f"PrivacyLedger({len(self.entries)} entries, {self.steps} steps)"
