@@ -44,6 +44,18 @@ def _scalars_as_tensorboard_shows_them(logdir):
     return shown
 
 
+def _check_with_tensorboards_reader(logdir, rows):
+    """TensorBoard's own reader (``EventAccumulator``, what ``tensorboard --logdir`` loads; its orphaned-data purge
+    on a restarted session included) shows exactly the rows of ``metrics.jsonl``, once per step."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    reader = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
+    reader.Reload()
+    for key in ("loss", "epsilon", "lr", "accuracy"):
+        events = reader.Scalars(key)
+        assert [e.step for e in events] == [r["step"] for r in rows], key
+        assert [e.value for e in events] == pytest.approx([r[key] for r in rows], rel=1e-6)
+
+
 def _rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -86,6 +98,7 @@ def test_rows_reach_tensorboard_wandb_and_callbacks_across_a_resume(tmp_path, mo
         for key in ("loss", "epsilon", "lr", "accuracy"):
             assert shown[(key, row["step"])] == pytest.approx(row[key], rel=1e-6)
     assert {step for _, step in shown} == {2, 4, 6, 8, 10}
+    _check_with_tensorboards_reader(out / "tensorboard", rows)
 
     # W&B: one run id for both processes' runs; the last value logged at each step is the row's
     assert len(fake.inits) == 2 and fake.inits[0]["id"] == fake.inits[1]["id"] == (out / "wandb_run_id").read_text()
