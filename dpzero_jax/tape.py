@@ -14,12 +14,13 @@ the layer *is* (by identity) a leaf of the ``params`` being differentiated.
 * :class:`CaptureTape` (book-keeping): adds a zero probe to each layer output, whose cotangent is the output
   gradient ``g``, and keeps the layer input ``x`` as auxiliary output -- unless the call's trainable parameters
   do not need it (only a bias trainable: ``rule.input_free``). Parameters are not differentiated.
-* :class:`GhostTape`: a ``custom_vjp`` per layer whose backward writes the per-parameter squared norms into the
-  cotangent of a ``[B, P]`` *sink* input and, through the cotangent of a ``[B, P]`` *port* output, receives the
-  clip coefficients with which it forms the clipped weight gradient. Calls whose parameters are shared with
-  another call (tied weights) are captured as in book-keeping so that cross terms can be formed.
-* :class:`FusedTape`: a ``custom_vjp`` per layer whose backward computes the layer's norms, the clip
-  coefficients of its (layer-local) groups and the clipped weight gradient in one go.
+* ``GhostTape`` (in :mod:`dpzero_jax.modes.ghost`, with the mode that uses it): a ``custom_vjp`` per layer whose
+  backward writes the per-parameter squared norms into the cotangent of a ``[B, P]`` *sink* input and, through
+  the cotangent of a ``[B, P]`` *port* output, receives the clip coefficients with which it forms the clipped
+  weight gradient. Calls whose parameters are shared with another call (tied weights) are captured as in
+  book-keeping so that cross terms can be formed.
+* ``FusedTape`` (in :mod:`dpzero_jax.modes.fused`): a ``custom_vjp`` per layer whose backward computes the
+  layer's norms, the clip coefficients of its (layer-local) groups and the clipped weight gradient in one go.
 * :class:`GatherTape`: no DP work; only for parameters stored as shards (below). The non-private counterpart.
 
 Every tape keeps of a layer input what its rule asks for (``rules.stored_input``: ``x`` itself, or less, such as
@@ -32,7 +33,7 @@ and every tape gathers a call's weights just before the layer uses them and lets
 * every layer becomes a ``custom_vjp`` whose residuals are the shards (never the whole weight): the forward
   gathers after the layer input exists, the backward gathers again after the output gradient exists (so XLA can
   neither hoist the gathers to the start of the program nor merge the backward's with the forward's), and each
-  weight gradient the backward forms -- the clipped sum in :class:`GhostTape` and :class:`FusedTape`, the plain
+  weight gradient the backward forms -- the clipped sum in ``GhostTape`` and ``FusedTape``, the plain
   gradient in :class:`GatherTape` -- is handed back already reduce-scattered to its owner (``layout.scatter``);
   book-keeping (:class:`CaptureTape`) forms no weight gradient in the backward (the engine forms the clipped sums
   from the kept inputs and output gradients, then scatters them).
@@ -46,13 +47,13 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from dpzero_jax import pergrad, rules
+from dpzero_jax import rules
 
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("dpzero_active_tape", default=None)
 
@@ -249,117 +250,6 @@ def _regathering_layer(rule, spec, gather, scatter, trainable, frozen, x):
     layer = jax.custom_vjp(forward)
     layer.defvjp(forward_with_residuals, backward)
     return layer(trainable, frozen, x)
-
-
-def _ghost_layer(rule, spec, names, method, kernel, gather, scatter, trainable, frozen, x, sink):
-    """``(y, port)``; backward: ``sink`` cotangent = per-parameter squared norms ``[B, P]``, parameter cotangents =
-    ``sum_i port_ct[i, j] * grad_i`` for parameter ``names[j]``. ``gather(trainable, after)`` gives the whole
-    weights from what the layer receives, ``scatter(grads)`` the owners' gradients (both identities unless the
-    parameters are stored as shards)."""
-
-    def forward(trainable, frozen, x, sink):
-        return rule.apply({**frozen, **gather(trainable, x)}, x, spec), jnp.zeros_like(sink)
-
-    def forward_with_residuals(trainable, frozen, x, sink):
-        y, saved = rules.forward_and_stored(rule, {**frozen, **gather(trainable, x)}, x, spec)
-        return (y, jnp.zeros_like(sink)), (trainable, frozen, saved)
-
-    def backward(residuals, cotangents):
-        trainable, frozen, saved = residuals
-        g, coef = cotangents
-        params = {**frozen, **gather(trainable, g)}
-        uses = rule.per_example_grads(params, saved, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
-        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j], kernel).astype(trainable[n].dtype)
-                 for j, n in enumerate(names)}
-        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq
-
-    layer = jax.custom_vjp(forward)
-    layer.defvjp(forward_with_residuals, backward)
-    return layer(trainable, frozen, x, sink)
-
-
-class GhostTape(CaptureTape):
-    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str, kernel: str = "xla",
-                 layout: ParamLayout | None = None):
-        super().__init__(leaf_paths, probes, layout=layout)
-        self.sinks = sinks
-        self.method = method
-        self.kernel = kernel
-        self.ports: dict[int, jax.Array] = {}
-
-    def call(self, rule, spec, params, x):
-        index = self._next()
-        if index in self.probes:
-            return self._capture(index, rule, spec, params, x)
-        if index not in self.sinks:
-            return rule.apply(params, x, spec)
-        trainable, frozen, paths = self._split(params)
-        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, self.kernel,
-                               self._gatherer(paths, rule, x), functools.partial(self._scatter, paths),
-                               trainable, frozen, x, self.sinks[index])
-        self.ports[index] = port
-        return y
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalClip:
-    """Clipping of the groups that live inside one layer call (fused mode).
-
-    ``group_of[j]``: local group of parameter ``j``; ``thresholds[k]``: threshold of local group ``k``;
-    ``coefficients(norms [B, K], thresholds [K], keep [B]) -> [B, K]``.
-    """
-
-    group_of: tuple[int, ...]
-    thresholds: tuple[float, ...]
-    coefficients: Callable
-
-
-def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, gather, scatter, trainable, frozen, x,
-                 sink, keep):
-    """``gather`` / ``scatter``: as in :func:`_ghost_layer`. The thresholds enter the ``custom_vjp`` as an argument
-    (they may be traced: adaptive clipping), not through the backward's closure."""
-
-    def forward(trainable, frozen, x, sink, keep, thresholds):
-        return rule.apply({**frozen, **gather(trainable, x)}, x, spec)
-
-    def forward_with_residuals(trainable, frozen, x, sink, keep, thresholds):
-        y, saved = rules.forward_and_stored(rule, {**frozen, **gather(trainable, x)}, x, spec)
-        return y, (trainable, frozen, saved, keep, thresholds)
-
-    def backward(residuals, g):
-        trainable, frozen, saved, keep, thresholds = residuals
-        params = {**frozen, **gather(trainable, g)}
-        uses = rule.per_example_grads(params, saved, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
-        group_of = jnp.asarray(clip.group_of)
-        n_local = len(clip.thresholds)
-        group_sq = jnp.zeros((sq.shape[0], n_local), jnp.float32).at[:, group_of].add(sq)
-        coef = clip.coefficients(jnp.sqrt(group_sq), thresholds, keep)
-        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]], kernel).astype(trainable[n].dtype)
-                 for j, n in enumerate(names)}
-        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq, None, None
-
-    layer = jax.custom_vjp(forward)
-    layer.defvjp(forward_with_residuals, backward)
-    thresholds = jnp.stack([jnp.asarray(t, jnp.float32) for t in clip.thresholds])
-    return layer(trainable, frozen, x, sink, keep, thresholds)
-
-
-class FusedTape(_Tape):
-    def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method,
-                 kernel: str = "xla", layout: ParamLayout | None = None):
-        super().__init__(leaf_paths, layout)
-        self.sinks, self.clips, self.keep, self.method, self.kernel = sinks, clips, keep, method, kernel
-
-    def call(self, rule, spec, params, x):
-        index = self._next()
-        if index not in self.sinks:
-            return rule.apply(params, x, spec)
-        trainable, frozen, paths = self._split(params)
-        return _fused_layer(rule, spec, tuple(trainable), self.method, self.kernel, self.clips[index],
-                            self._gatherer(paths, rule, x), functools.partial(self._scatter, paths),
-                            trainable, frozen, x, self.sinks[index], self.keep)
 
 
 class GatherTape(_Tape):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from dpzero_jax import clipping
+from dpzero_jax import clipping, pergrad, rules
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.config import DPConfig
 from dpzero_jax.layer_plan import (
@@ -21,7 +24,72 @@ from dpzero_jax.layer_plan import (
 Array = jax.Array
 
 
-def _fused_local_clips(cfg: DPConfig, plan: Plan) -> dict[int, tape_lib.LocalClip]:
+# ---------------------------------------------------------------- the mode's tape
+
+@dataclasses.dataclass(frozen=True)
+class LocalClip:
+    """Clipping of the groups that live inside one layer call (fused mode).
+
+    ``group_of[j]``: local group of parameter ``j``; ``thresholds[k]``: threshold of local group ``k``;
+    ``coefficients(norms [B, K], thresholds [K], keep [B]) -> [B, K]``.
+    """
+
+    group_of: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    coefficients: Callable
+
+
+def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, gather, scatter, trainable, frozen, x,
+                 sink, keep):
+    """``gather`` / ``scatter``: as in :func:`dpzero_jax.modes.ghost._ghost_layer`. The thresholds enter the
+    ``custom_vjp`` as an argument (they may be traced: adaptive clipping), not through the backward's closure."""
+
+    def forward(trainable, frozen, x, sink, keep, thresholds):
+        return rule.apply({**frozen, **gather(trainable, x)}, x, spec)
+
+    def forward_with_residuals(trainable, frozen, x, sink, keep, thresholds):
+        y, saved = rules.forward_and_stored(rule, {**frozen, **gather(trainable, x)}, x, spec)
+        return y, (trainable, frozen, saved, keep, thresholds)
+
+    def backward(residuals, g):
+        trainable, frozen, saved, keep, thresholds = residuals
+        params = {**frozen, **gather(trainable, g)}
+        uses = rule.per_example_grads(params, saved, g, spec)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
+        group_of = jnp.asarray(clip.group_of)
+        n_local = len(clip.thresholds)
+        group_sq = jnp.zeros((sq.shape[0], n_local), jnp.float32).at[:, group_of].add(sq)
+        coef = clip.coefficients(jnp.sqrt(group_sq), thresholds, keep)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, clip.group_of[j]], kernel).astype(trainable[n].dtype)
+                 for j, n in enumerate(names)}
+        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq, None, None
+
+    layer = jax.custom_vjp(forward)
+    layer.defvjp(forward_with_residuals, backward)
+    thresholds = jnp.stack([jnp.asarray(t, jnp.float32) for t in clip.thresholds])
+    return layer(trainable, frozen, x, sink, keep, thresholds)
+
+
+class FusedTape(tape_lib._Tape):
+    def __init__(self, leaf_paths, sinks: Mapping[int, jax.Array], clips: Mapping[int, LocalClip], keep, method,
+                 kernel: str = "xla", layout: tape_lib.ParamLayout | None = None):
+        super().__init__(leaf_paths, layout)
+        self.sinks, self.clips, self.keep, self.method, self.kernel = sinks, clips, keep, method, kernel
+
+    def call(self, rule, spec, params, x):
+        index = self._next()
+        if index not in self.sinks:
+            return rule.apply(params, x, spec)
+        trainable, frozen, paths = self._split(params)
+        return _fused_layer(rule, spec, tuple(trainable), self.method, self.kernel, self.clips[index],
+                            self._gatherer(paths, rule, x), functools.partial(self._scatter, paths),
+                            trainable, frozen, x, self.sinks[index], self.keep)
+
+
+# ---------------------------------------------------------------- the mode
+
+
+def _fused_local_clips(cfg: DPConfig, plan: Plan) -> dict[int, LocalClip]:
     calls_of_group = collections.defaultdict(set)
     for path, us in plan.uses.items():
         if len(us) > 1:
@@ -41,7 +109,7 @@ def _fused_local_clips(cfg: DPConfig, plan: Plan) -> dict[int, tape_lib.LocalCli
     for record in plan.records:
         groups = [plan.group_of[path] for _, path in record.param_paths]
         local = list(dict.fromkeys(groups))
-        clips[record.index] = tape_lib.LocalClip(tuple(local.index(g) for g in groups),
+        clips[record.index] = LocalClip(tuple(local.index(g) for g in groups),
                                                  tuple(plan.thresholds[g] for g in local), coefficients)
     return clips
 
@@ -52,7 +120,7 @@ def _fused(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None)
     keep = mask.astype(jnp.float32)
 
     def forward(params, sinks):
-        fused = tape_lib.FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method, cfg.norm_kernel, layout)
+        fused = FusedTape(_leaf_ids(params), sinks, clips, keep, cfg.norm_method, cfg.norm_kernel, layout)
         with tape_lib.active(fused):
             return loss_fn(params, batch)
 

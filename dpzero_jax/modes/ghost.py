@@ -3,10 +3,13 @@ per-layer ports."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 
-from dpzero_jax import clipping, pergrad
+from dpzero_jax import clipping, pergrad, rules
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.config import DPConfig
 from dpzero_jax.layer_plan import (
@@ -23,6 +26,62 @@ from dpzero_jax.layer_plan import (
 Array = jax.Array
 
 
+# ---------------------------------------------------------------- the mode's tape
+
+def _ghost_layer(rule, spec, names, method, kernel, gather, scatter, trainable, frozen, x, sink):
+    """``(y, port)``; backward: ``sink`` cotangent = per-parameter squared norms ``[B, P]``, parameter cotangents =
+    ``sum_i port_ct[i, j] * grad_i`` for parameter ``names[j]``. ``gather(trainable, after)`` gives the whole
+    weights from what the layer receives, ``scatter(grads)`` the owners' gradients (both identities unless the
+    parameters are stored as shards)."""
+
+    def forward(trainable, frozen, x, sink):
+        return rule.apply({**frozen, **gather(trainable, x)}, x, spec), jnp.zeros_like(sink)
+
+    def forward_with_residuals(trainable, frozen, x, sink):
+        y, saved = rules.forward_and_stored(rule, {**frozen, **gather(trainable, x)}, x, spec)
+        return (y, jnp.zeros_like(sink)), (trainable, frozen, saved)
+
+    def backward(residuals, cotangents):
+        trainable, frozen, saved = residuals
+        g, coef = cotangents
+        params = {**frozen, **gather(trainable, g)}
+        uses = rule.per_example_grads(params, saved, g, spec)
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
+        grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j], kernel).astype(trainable[n].dtype)
+                 for j, n in enumerate(names)}
+        return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq
+
+    layer = jax.custom_vjp(forward)
+    layer.defvjp(forward_with_residuals, backward)
+    return layer(trainable, frozen, x, sink)
+
+
+class GhostTape(tape_lib.CaptureTape):
+    def __init__(self, leaf_paths, probes, sinks: Mapping[int, jax.Array], method: str, kernel: str = "xla",
+                 layout: tape_lib.ParamLayout | None = None):
+        super().__init__(leaf_paths, probes, layout=layout)
+        self.sinks = sinks
+        self.method = method
+        self.kernel = kernel
+        self.ports: dict[int, jax.Array] = {}
+
+    def call(self, rule, spec, params, x):
+        index = self._next()
+        if index in self.probes:
+            return self._capture(index, rule, spec, params, x)
+        if index not in self.sinks:
+            return rule.apply(params, x, spec)
+        trainable, frozen, paths = self._split(params)
+        y, port = _ghost_layer(rule, spec, tuple(trainable), self.method, self.kernel,
+                               self._gatherer(paths, rule, x), functools.partial(self._scatter, paths),
+                               trainable, frozen, x, self.sinks[index])
+        self.ports[index] = port
+        return y
+
+
+# ---------------------------------------------------------------- the mode
+
+
 def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None) -> _Clipped:
     shared = plan.shared_calls
     probes = {r.index: jnp.zeros(r.output_shape, r.output_dtype) for r in plan.records if r.index in shared}
@@ -30,7 +89,7 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None)
              for r in plan.records if r.index not in shared}
 
     def forward(params, sinks, probes):
-        ghost = tape_lib.GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method, cfg.norm_kernel, layout)
+        ghost = GhostTape(_leaf_ids(params), probes, sinks, cfg.norm_method, cfg.norm_kernel, layout)
         with tape_lib.active(ghost):
             losses = loss_fn(params, batch)
         return (losses, ghost.ports), ghost.calls
