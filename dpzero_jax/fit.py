@@ -51,14 +51,23 @@ from dpzero_jax import checkpoints as ckpt
 from dpzero_jax import metric_writers as writers_lib
 from dpzero_jax.config import DPConfig
 from dpzero_jax.engine import private_value_and_grad
-from dpzero_jax.fit_data import as_host_batch, as_target, classify, metric_sums, pad_batch, run_evaluation
+from dpzero_jax.fit_data import (
+    FitResult,
+    as_host_batch,
+    as_target,
+    declared_sampling,
+    jsonable,
+    metric_sums,
+    pad_batch,
+    read_rows,
+    run_evaluation,
+    warn_about_sampling,
+)
 from dpzero_jax.optax_dp import clipped_grad
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import PoissonSampler
 
-__all__ = ["FitResult", "PrivateTrainer", "SAMPLINGS"]
-
-SAMPLINGS = ("poisson", "other")   # what a user declares about an iterable's batches
+__all__ = ["FitResult", "PrivateTrainer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,28 +83,10 @@ class _PrivacyOptions:
     no_dp: bool = False
 
 
-@dataclasses.dataclass
-class FitResult:
-    """What :meth:`PrivateTrainer.fit` returns.
-
-    params / opt_state: the trained pytrees; model: an NNX model with the trained parameters (None for a params
-    pytree); ledger: the :class:`~dpzero_jax.accounting.PrivacyLedger` of every step; epsilon: the ledger's epsilon of
-    record at ``delta``; sampling: ``"poisson"`` (sampled by the trainer), ``"declared-poisson"`` (the user's
-    declaration) or ``"as-if-poisson"`` (no formal guarantee); formal_guarantee: False only for ``as-if-poisson``;
-    history: the logged rows (as ``metrics.jsonl`` holds them)."""
-
-    params: Any
-    opt_state: Any
-    model: Any
-    ledger: accounting.PrivacyLedger
-    epsilon: float
-    delta: float
-    noise_multiplier: float
-    sampling_rate: float
-    steps: int
-    sampling: str
-    formal_guarantee: bool
-    history: list
+def _positive_real(name: str, value, why: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ValueError(f"PrivateTrainer: {name} must be a finite number > 0{why}, got {value!r}")
+    return float(value)
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> int | None:
@@ -104,16 +95,6 @@ def _positive_int(name: str, value, allow_none: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"PrivateTrainer: {name} must be an int >= 1, got {value!r}")
     return int(value)
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return getattr(value, "__qualname__", type(value).__name__)
 
 
 class PrivateTrainer:
@@ -173,22 +154,7 @@ class PrivateTrainer:
         self.wandb_project = wandb_project
 
         # ---- data and sampling
-        self.kind, self.data = classify(data)
-        if self.kind == "indexable":
-            if sampling is not None or dataset_size is not None:
-                raise ValueError(f"PrivateTrainer: sampling={sampling!r} / dataset_size={dataset_size!r} are for an "
-                                 f"iterable of batches; an indexable dataset is Poisson sampled by the trainer, with "
-                                 f"N = len(data) = {len(self.data)}")
-            self.dataset_size, self.sampling = len(self.data), "poisson"
-        else:
-            if sampling not in SAMPLINGS:
-                raise ValueError(f"PrivateTrainer: data is an iterable of batches that you sampled, which the trainer "
-                                 f"cannot check; declare how with sampling='poisson' (each example joined each batch "
-                                 f"independently with probability batch_size / dataset_size) or sampling='other' (no "
-                                 f"formal guarantee), and give dataset_size=N; got sampling={sampling!r}")
-            self.dataset_size = _positive_int("dataset_size (the number of examples the batches are drawn from)",
-                                              dataset_size)
-            self.sampling = "declared-poisson" if sampling == "poisson" else "as-if-poisson"
+        self.kind, self.data, self.dataset_size, self.sampling = declared_sampling(data, sampling, dataset_size)
         n = self.dataset_size
         if self.batch_size > n:
             raise ValueError(f"PrivateTrainer: batch_size={self.batch_size} exceeds the {n} examples")
@@ -197,9 +163,7 @@ class PrivateTrainer:
             raise ValueError(f"PrivateTrainer: give exactly one of steps and epochs (the planned length the noise is "
                              f"calibrated and accounted for), got steps={steps!r}, epochs={epochs!r}")
         if epochs is not None:
-            if isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not 0 < epochs < math.inf:
-                raise ValueError(f"PrivateTrainer: epochs must be a number > 0, got {epochs!r}")
-            steps = max(1, math.ceil(epochs / self.sampling_rate))
+            steps = max(1, math.ceil(_positive_real("epochs", epochs) / self.sampling_rate))
         self.steps = _positive_int("steps", steps)
 
         # ---- privacy: dpzero_jax.run_privacy (sigma, planned epsilon, the sampler's cap)
@@ -208,15 +172,11 @@ class PrivateTrainer:
         if epsilon is None and noise_multiplier is None:
             raise ValueError("PrivateTrainer: give epsilon (sigma is calibrated) or noise_multiplier (epsilon is "
                              "reported)")
-        if noise_multiplier is not None and (isinstance(noise_multiplier, bool) or
-                                             not isinstance(noise_multiplier, numbers.Real) or
-                                             not 0 < noise_multiplier < math.inf):
-            raise ValueError(f"PrivateTrainer: noise_multiplier must be a finite number > 0 (0 adds no noise: "
-                             f"epsilon would be infinite), got {noise_multiplier!r}")
-        if epsilon is not None and (isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real)
-                                    or not 0 < epsilon < math.inf):
-            raise ValueError(f"PrivateTrainer: epsilon must be a finite number > 0, got {epsilon!r}")
-        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+        if noise_multiplier is not None:
+            _positive_real("noise_multiplier", noise_multiplier, " (0 adds no noise: epsilon would be infinite)")
+        if epsilon is not None:
+            _positive_real("epsilon", epsilon)
+        if _positive_real("delta", delta) >= 1:
             raise ValueError(f"PrivateTrainer: delta must be in (0, 1), got {delta!r}")
         validation.check_delta(delta, n, allow_large_delta)
         accounting._check_accountant(accountant)
@@ -235,14 +195,14 @@ class PrivateTrainer:
         self.slots = -(-slots // self.accumulation_steps) * self.accumulation_steps
         self._row_accountant = RunningAccountant(accountant, row_interval(self.planned_epsilon), block=self.log_every)
         self.epsilon_name = "epsilon_as_if_poisson" if self.sampling == "as-if-poisson" else "epsilon"
-        self._warn_about_sampling()
+        warn_about_sampling(self.sampling, n, self.sampling_rate)
 
         # ---- the private gradient (the engine's; no clipping or noise here)
         self.dp_config = DPConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=max_grad_norm,
                                   clip_fn=clip_fn, groups=groups, mode=mode, front_end=front_end,
                                   expected_batch_size=float(self.batch_size), microbatch_size=micro_batch_size,
                                   noise_rng=noise_rng)
-        self._config = _jsonable({
+        self._config = jsonable({
             "batch_size": self.batch_size, "dataset_size": n, "sampling": self.sampling, "epsilon": epsilon,
             "delta": self.delta, "noise_multiplier": noise_multiplier, "accountant": accountant,
             "max_grad_norm": max_grad_norm, "clip_fn": clip_fn, "groups": groups, "mode": mode,
@@ -286,20 +246,6 @@ class PrivateTrainer:
                 raise ValueError(f"PrivateTrainer: trained parameter {jax.tree_util.keystr(path)} has dtype "
                                  f"{jnp.result_type(leaf)}; only floating-point arrays can be trained")
         self.init_params, self._rest, self._loss = params, rest, loss
-
-    def _warn_about_sampling(self) -> None:
-        q = f"{self.sampling_rate:.4g}"
-        if self.sampling == "declared-poisson":
-            warnings.warn(f"PrivateTrainer: the batches come from your iterable, so the trainer cannot check how they "
-                          f"were drawn; the epsilon accounts them as Poisson sampled (each of the {self.dataset_size} "
-                          f"examples independently with probability {q} per batch), and is a guarantee only if that "
-                          f"is true. Pass the dataset itself (a dict of arrays or an object with __len__ / "
-                          f"__getitem__) to have the trainer sample it.", UserWarning, stacklevel=3)
-        elif self.sampling == "as-if-poisson":
-            warnings.warn(f"PrivateTrainer: sampling='other' has NO formal privacy guarantee: accountants assume "
-                          f"Poisson (or uniform) sampling. The number reported as 'epsilon_as_if_poisson' is what "
-                          f"Poisson sampling at rate {q} would give, not a guarantee of this run.", UserWarning,
-                          stacklevel=3)
 
     def _check_loss(self, batch: dict) -> None:
         """``loss_fn`` must give ``[B]`` floating per-example losses on ``batch`` (traced abstractly)."""
@@ -468,7 +414,7 @@ class PrivateTrainer:
             if found is not None:
                 start, params, opt_state = found.step, found.params, found.opt_state
                 ledger = accounting.PrivacyLedger.from_dict(found.ledger)
-                earlier = _read_rows(self.out / "metrics.jsonl", upto=start)
+                earlier = read_rows(self.out / "metrics.jsonl", upto=start)
             elif resume is True:
                 raise FileNotFoundError(f"resume: no checkpoint in {self.out / 'checkpoints'} to resume from")
         if self.out is not None and not start:
@@ -533,11 +479,3 @@ class PrivateTrainer:
                        "batch_slots": self.slots, "ledger": ledger.to_dict(), "config": self._config}
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return result
-
-
-def _read_rows(path, upto: int) -> list[dict]:
-    """The rows of ``metrics.jsonl`` up to step ``upto`` (a resumed run keeps them)."""
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["step"] <= upto]

@@ -1,4 +1,5 @@
-"""Data for :class:`dpzero_jax.fit.PrivateTrainer` and :func:`evaluate`: what a user's data is, host batches, padding.
+"""Data for :class:`dpzero_jax.fit.PrivateTrainer` and :func:`evaluate`: what a user's data is and how it was sampled,
+host batches, padding; and :class:`FitResult`, what a fit returns.
 
 Two kinds of training data (:func:`classify`):
 
@@ -16,6 +17,10 @@ batch of at most ``slots`` examples.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import numbers
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -23,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ArrayDataset", "IndexedDataset", "as_host_batch", "classify", "evaluate", "pad_batch"]
+__all__ = ["SAMPLINGS", "ArrayDataset", "FitResult", "IndexedDataset", "as_host_batch", "classify", "declared_sampling",
+           "evaluate", "pad_batch"]
 
 
 def as_host_batch(batch, where: str) -> dict[str, np.ndarray]:
@@ -109,6 +115,47 @@ def classify(data) -> tuple[str, Any]:
         return "batches", data
     raise TypeError(f"data must be a dict of arrays [N, ...], an object with __len__ and __getitem__(indices), or an "
                     f"iterable of batches (dicts of arrays); got {type(data).__name__}")
+
+
+SAMPLINGS = ("poisson", "other")   # what a user declares about an iterable's batches
+
+
+def declared_sampling(data, sampling: str | None, dataset_size: int | None) -> tuple[str, Any, int, str]:
+    """``(kind, source, N, sampling)`` of a trainer's ``data`` (:func:`classify`): an indexable dataset is the
+    trainer's to sample (``"poisson"``, ``N = len(data)``); an iterable's sampling must be declared (``"poisson"`` ->
+    ``"declared-poisson"``, ``"other"`` -> ``"as-if-poisson"``) with the ``dataset_size`` it was drawn from."""
+    kind, source = classify(data)
+    if kind == "indexable":
+        if sampling is not None or dataset_size is not None:
+            raise ValueError(f"PrivateTrainer: sampling={sampling!r} / dataset_size={dataset_size!r} are for an "
+                             f"iterable of batches; an indexable dataset is Poisson sampled by the trainer, with "
+                             f"N = len(data) = {len(source)}")
+        return kind, source, len(source), "poisson"
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"PrivateTrainer: data is an iterable of batches that you sampled, which the trainer "
+                         f"cannot check; declare how with sampling='poisson' (each example joined each batch "
+                         f"independently with probability batch_size / dataset_size) or sampling='other' (no "
+                         f"formal guarantee), and give dataset_size=N; got sampling={sampling!r}")
+    if isinstance(dataset_size, bool) or not isinstance(dataset_size, numbers.Integral) or dataset_size < 1:
+        raise ValueError(f"PrivateTrainer: dataset_size (the number of examples the batches are drawn from) must be "
+                         f"an int >= 1, got {dataset_size!r}")
+    return kind, source, int(dataset_size), "declared-poisson" if sampling == "poisson" else "as-if-poisson"
+
+
+def warn_about_sampling(sampling: str, dataset_size: int, sampling_rate: float) -> None:
+    """The ``UserWarning`` of a run whose batches the trainer did not sample (nothing for ``"poisson"``)."""
+    q = f"{sampling_rate:.4g}"
+    if sampling == "declared-poisson":
+        warnings.warn(f"PrivateTrainer: the batches come from your iterable, so the trainer cannot check how they "
+                      f"were drawn; the epsilon accounts them as Poisson sampled (each of the {dataset_size} "
+                      f"examples independently with probability {q} per batch), and is a guarantee only if that "
+                      f"is true. Pass the dataset itself (a dict of arrays or an object with __len__ / "
+                      f"__getitem__) to have the trainer sample it.", UserWarning, stacklevel=3)
+    elif sampling == "as-if-poisson":
+        warnings.warn(f"PrivateTrainer: sampling='other' has NO formal privacy guarantee: accountants assume "
+                      f"Poisson (or uniform) sampling. The number reported as 'epsilon_as_if_poisson' is what "
+                      f"Poisson sampling at rate {q} would give, not a guarantee of this run.", UserWarning,
+                      stacklevel=3)
 
 
 def pad_batch(batch: dict[str, np.ndarray], slots: int, mask: np.ndarray | None = None
@@ -206,3 +253,45 @@ def evaluate(fn: Callable, model_or_params, data, *, batch_size: int = 256) -> d
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"evaluate: batch_size must be an int >= 1, got {batch_size!r}")
     return run_evaluation(jax.jit(metric_sums(fn)), as_target(model_or_params), data, batch_size)
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What :meth:`PrivateTrainer.fit` returns.
+
+    params / opt_state: the trained pytrees; model: an NNX model with the trained parameters (None for a params
+    pytree); ledger: the :class:`~dpzero_jax.accounting.PrivacyLedger` of every step; epsilon: the ledger's epsilon of
+    record at ``delta``; sampling: ``"poisson"`` (sampled by the trainer), ``"declared-poisson"`` (the user's
+    declaration) or ``"as-if-poisson"`` (no formal guarantee); formal_guarantee: False only for ``as-if-poisson``;
+    history: the logged rows (as ``metrics.jsonl`` holds them)."""
+
+    params: Any
+    opt_state: Any
+    model: Any
+    ledger: Any   # accounting.PrivacyLedger
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    sampling_rate: float
+    steps: int
+    sampling: str
+    formal_guarantee: bool
+    history: list
+
+
+def jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return getattr(value, "__qualname__", type(value).__name__)
+
+
+def read_rows(path, upto: int) -> list[dict]:
+    """The rows of ``metrics.jsonl`` up to step ``upto`` (a resumed run keeps them)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] <= upto]

@@ -162,15 +162,35 @@ def test_one_step_equals_private_value_and_grad_noise_and_optax_by_hand(kind):
     assert min(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(noiseless))) > 1e-3
 
 
-def test_gradient_accumulation_adds_the_noise_once_per_logical_step():
+def test_accumulation_and_micro_batches_add_the_noise_once_per_logical_step():
     data = synthetic()
     common = dict(batch_size=48, steps=3, noise_multiplier=1.0, seed=3)
-    one = PrivateTrainer(Net(nnx.Rngs(3)), nnx_loss, optax.sgd(0.5), data, **common)
-    four = PrivateTrainer(Net(nnx.Rngs(3)), nnx_loss, optax.sgd(0.5), data, accumulation_steps=4, **common)
-    assert four.slots % 4 == 0
-    a, b = one.fit(), four.fit()
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6), a.params, b.params)
-    assert a.ledger == b.ledger and b.ledger.steps == 3   # one event per logical step
+    one = dz.PrivateTrainer(Net(nnx.Rngs(3)), nnx_loss, optax.sgd(0.5), data, **common)
+    four = dz.PrivateTrainer(Net(nnx.Rngs(3)), nnx_loss, optax.sgd(0.5), data, accumulation_steps=4, **common)
+    micro = dz.PrivateTrainer(Net(nnx.Rngs(3)), nnx_loss, optax.sgd(0.5), data, micro_batch_size=16, mode="vmap",
+                              **common)
+    assert four.slots % 4 == 0 and micro.dp_config.microbatch_size == 16
+    a, b, c = one.fit(), four.fit(), micro.fit()
+    for other in (b, c):   # the same noise draw (same key) on sums added in another order
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6), a.params, other.params)
+        assert other.ledger == a.ledger and a.ledger.steps == 3   # one event per logical step
+    assert not jax.tree.leaves(jax.tree.map(np.array_equal, a.params, one.init_params))[0]
+
+
+def test_declared_poisson_batches_of_any_size_are_padded_never_truncated():
+    data = synthetic()
+    sizes = [30, 70, 200]   # the last is larger than the slots sized for rate 50 / 512: it gets more slots
+    rng = np.random.default_rng(0)
+    batches = [{k: v[rng.choice(N, size, replace=False)] for k, v in data.items()} for size in sizes]
+    with pytest.warns(UserWarning, match="a guarantee only if that is true"):
+        trainer = dz.PrivateTrainer(Net(nnx.Rngs(6)), nnx_loss, optax.sgd(0.1), iter(batches), batch_size=50,
+                                    steps=3, noise_multiplier=1.0, sampling="poisson", dataset_size=N, log_every=1)
+    assert 50 < trainer.slots < 200
+    result = trainer.fit()
+    assert [r["batch_size"] for r in result.history] == sizes and result.sampling == "declared-poisson"
+    assert result.ledger.entries == [{"sampling": "poisson", "noise_multiplier": 1.0, "sampling_rate": 50 / N,
+                                      "count": 3}]   # no truncation probability: nothing was cut
+    assert result.epsilon == pytest.approx(accounting.epsilon(1.0, 50 / N, 3, 1e-5), rel=1e-12)
 
 
 @pytest.mark.parametrize("source", ["indexable", "iterable"])
