@@ -208,7 +208,7 @@ class PrivateTrainer:
             "max_grad_norm": max_grad_norm, "clip_fn": clip_fn, "groups": groups, "mode": mode,
             "front_end": front_end, "micro_batch_size": micro_batch_size,
             "accumulation_steps": self.accumulation_steps, "noise_rng": noise_rng, "seed": self.seed,
-            "steps": self.steps, "slots": self.slots})
+            "steps": self.steps})
         self.train_key = jax.random.fold_in(jax.random.key(self.seed), 1)
         self._build_step()
         self._evaluators: dict = {}
@@ -371,6 +371,8 @@ class PrivateTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def _check_same_run(self, saved: dict) -> None:
+        """Refuse a checkpoint written with other options; ``steps`` may change when sigma was given (it does not
+        depend on the planned length then: the run is extended or shortened, the ledger says what ran)."""
         allowed = {"steps"} if self._privacy.noise_multiplier is not None else set()
         changed = sorted(k for k in saved.keys() | self._config.keys()
                          if k not in allowed and saved.get(k) != self._config.get(k))

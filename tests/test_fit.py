@@ -230,6 +230,13 @@ def test_resume_with_other_options_is_refused(tmp_path):
                            noise_multiplier=1.0, max_grad_norm=2.0, out=tmp_path, checkpoint_every=1)
     with pytest.raises(ValueError, match=r"different options \(max_grad_norm: 1.0 -> 2.0\)"):
         other.fit(resume=True)
+    longer = PrivateTrainer(Net(nnx.Rngs(4)), nnx_loss, optax.sgd(0.1), data, batch_size=50, steps=3,
+                            noise_multiplier=1.0, out=tmp_path, checkpoint_every=1)   # sigma given: may go on
+    assert longer.fit(resume=True).ledger.steps == 3
+    calibrated = dict(batch_size=50, epsilon=1.0, out=tmp_path / "eps", checkpoint_every=1)
+    PrivateTrainer(Net(nnx.Rngs(4)), nnx_loss, optax.sgd(0.1), data, steps=2, **calibrated).fit()
+    with pytest.raises(ValueError, match="steps: 2 -> 3"):   # sigma was calibrated for 2 steps
+        PrivateTrainer(Net(nnx.Rngs(4)), nnx_loss, optax.sgd(0.1), data, steps=3, **calibrated).fit(resume=True)
 
 
 class Writer:
