@@ -262,12 +262,18 @@ def test_callbacks_add_evaluations_to_logged_rows_and_writers_get_them(tmp_path)
             row["test_accuracy"] = trainer.evaluate(accuracy, held_out)["accuracy"]
 
     trainer = PrivateTrainer(Net(nnx.Rngs(5)), nnx_loss, optax.adam(1e-2), data, batch_size=64, steps=4,
-                             noise_multiplier=1.0, log_every=2, callbacks=[evaluate_now], metric_writers=[writer],
+                             noise_multiplier=1.0, log_every=2, callbacks=[evaluate_now],
+                             metric_writers=[writer, "tensorboard"],
                              out=tmp_path, checkpoint_every=2)
     result = trainer.fit()
     assert [r["step"] for r in writer.rows] == [2, 4] and writer.closed and writer.synced == 2
     assert writer.rows == result.history and all("test_accuracy" in r for r in writer.rows)
     assert writer.rows[-1]["test_accuracy"] == trainer.evaluate(accuracy, held_out)["accuracy"]
+    events = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert b"test_accuracy" in events and b"epsilon" in events   # dpzero_jax.metric_writers' TensorBoard files
+    with pytest.raises(ValueError, match="write into the output directory"):
+        PrivateTrainer(Net(nnx.Rngs(5)), nnx_loss, optax.adam(1e-2), data, batch_size=64, steps=4,
+                       noise_multiplier=1.0, metric_writers=["tensorboard"])
 
 
 class NoLen:
