@@ -106,12 +106,31 @@ def test_indexable_dataset_ledger_epsilon_is_the_poisson_sampled_gaussian_compos
     assert [r["batch_size"] for r in result.history] == [sizes[4], sizes[9], sizes[11]]
 
 
-def test_epsilon_target_calibrates_sigma():
-    trainer = PrivateTrainer(Net(nnx.Rngs(1)), nnx_loss, optax.sgd(0.1), synthetic(), batch_size=32, epochs=1,
+class Examples:
+    """A user's dataset object: ``len`` and ``__getitem__`` of an index array (e.g. reading from disk)."""
+
+    def __init__(self, columns, rows_returned=None):
+        self.columns, self.rows_returned, self.requests = columns, rows_returned, []
+
+    def __len__(self):
+        return len(self.columns["y"])
+
+    def __getitem__(self, indices):
+        self.requests.append(np.array(indices))
+        return {k: v[indices[:self.rows_returned]] for k, v in self.columns.items()}
+
+
+def test_epsilon_target_calibrates_sigma_on_a_dataset_object():
+    examples = Examples(synthetic())
+    trainer = PrivateTrainer(Net(nnx.Rngs(1)), nnx_loss, optax.sgd(0.1), examples, batch_size=32, epochs=1,
                              epsilon=2.0, delta=1e-5)
-    assert trainer.steps == N // 32
+    assert trainer.steps == N // 32 and trainer.dataset_size == N
     result = trainer.fit()
     assert result.epsilon == pytest.approx(2.0, rel=1e-2) and result.epsilon <= 2.0 + 1e-9
+    np.testing.assert_array_equal(examples.requests[-1], trainer.sample(N // 32 - 1).indices)   # the trainer's draw
+    with pytest.raises(ValueError, match="returned 1 examples for 2 indices"):
+        PrivateTrainer(Net(nnx.Rngs(1)), nnx_loss, optax.sgd(0.1), Examples(synthetic(), rows_returned=1),
+                       batch_size=32, steps=2, noise_multiplier=1.0)
 
 
 class LinenNet(nn.Module):
