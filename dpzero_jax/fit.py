@@ -405,6 +405,12 @@ class PrivateTrainer:
         with rundir.RunLock(self.out):
             return self._fit(resume, stop_at)
 
+    @staticmethod
+    def _ended(done: int, end: int) -> int:
+        warnings.warn(f"PrivateTrainer: the data ended after {done} of {end} steps; the ledger holds the {done} "
+                      f"steps that ran", UserWarning, stacklevel=4)
+        return done
+
     def _fit(self, resume, stop_at: int | None) -> FitResult:
         params = jax.tree.map(jnp.array, self.init_params)   # fresh copies: the step donates its inputs
         opt_state = self.tx.init(params)
@@ -432,14 +438,10 @@ class PrivateTrainer:
                     manager = ckpt.open_manager(self.out / "checkpoints", keep=self.keep_checkpoints)
             writers = self._open_writers(start + 1)
             batches = self._batches(start)
+            upcoming = next(batches, None) if start < end else None   # one batch ahead: the data may end early
+            end = end if upcoming is not None else self._ended(start, end)
             for step in range(start, end):
-                try:
-                    batch, realised, drawn = next(batches)
-                except StopIteration:
-                    warnings.warn(f"PrivateTrainer: the data ended after {step} of {end} steps; the ledger holds the "
-                                  f"{step} steps that ran", UserWarning, stacklevel=3)
-                    end = step
-                    break
+                batch, realised, drawn = upcoming
                 if not self._loss_checked:
                     self._check_loss(batch)
                 slots = max(self.slots, -(-realised // self.slots) * self.slots)   # a larger batch: more slots
@@ -448,6 +450,8 @@ class PrivateTrainer:
                 self._record(ledger, step, drawn)
                 self.params, self.opt_state = params, opt_state
                 done = step + 1
+                if done < end and (upcoming := next(batches, None)) is None:
+                    end = self._ended(done, end)   # this step is the last: logged and checkpointed as such
                 row = {"step": done, "loss": float(loss_sum) / max(realised, 1), "batch_size": int(realised)}
                 logged = done % self.log_every == 0 or done == end
                 if logged:   # the last planned row: the epsilon of record (from scratch)
@@ -463,6 +467,8 @@ class PrivateTrainer:
                     ckpt.save(manager, done, params, opt_state, key_data, ledger.to_dict(), self._config)
                     for sink in ([metrics] if metrics is not None else []) + writers:
                         sink.sync()
+                if done == end:
+                    break
         finally:
             for closable in ([metrics] if metrics is not None else []) + (writers or []):
                 closable.close()

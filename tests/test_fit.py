@@ -203,10 +203,12 @@ def test_declared_poisson_batches_of_any_size_are_padded_never_truncated():
     batches = [{k: v[rng.choice(N, size, replace=False)] for k, v in data.items()} for size in sizes]
     with pytest.warns(UserWarning, match="a guarantee only if that is true"):
         trainer = dz.PrivateTrainer(Net(nnx.Rngs(6)), nnx_loss, optax.sgd(0.1), iter(batches), batch_size=50,
-                                    steps=3, noise_multiplier=1.0, sampling="poisson", dataset_size=N, log_every=1)
+                                    steps=5, noise_multiplier=1.0, sampling="poisson", dataset_size=N, log_every=2)
     assert 50 < trainer.slots < 200
-    result = trainer.fit()
-    assert [r["batch_size"] for r in result.history] == sizes and result.sampling == "declared-poisson"
+    with pytest.warns(UserWarning, match="the data ended after 3 of 5 steps"):
+        result = trainer.fit()
+    assert [(r["step"], r["batch_size"]) for r in result.history] == [(2, 70), (3, 200)]   # the last step logged
+    assert result.sampling == "declared-poisson"
     assert result.ledger.entries == [{"sampling": "poisson", "noise_multiplier": 1.0, "sampling_rate": 50 / N,
                                       "count": 3}]   # no truncation probability: nothing was cut
     assert result.epsilon == pytest.approx(accounting.epsilon(1.0, 50 / N, 3, 1e-5), rel=1e-12)
