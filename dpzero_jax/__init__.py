@@ -16,11 +16,14 @@ _ATTRIBUTES = {
     "DPConfig": "config",
     "ClippedGrad": "optax_dp",
     "DPStats": "engine",
+    "FitResult": "fit_data",
     "GaussianPrivatizerState": "optax_dp",
+    "PrivateTrainer": "fit",
     "UnsupportedParameterError": "engine",
     "autotune": "engine",
     "choose_mode": "engine",
     "clipped_grad": "optax_dp",
+    "evaluate": "fit_data",
     "explain_plan": "explain",
     "gaussian_privatizer": "optax_dp",
     "make_plan": "engine",
@@ -33,8 +36,8 @@ _SUBMODULES = (
     "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
-_OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "metric_writers", "optax_dp",
-                     "optim", "program", "running_accountant", "tape")
+_OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "fit", "fit_data", "metric_writers",
+                     "optax_dp", "optim", "program", "running_accountant", "tape")
 
 __all__ = [*_ATTRIBUTES, *_SUBMODULES]
 
@@ -64,6 +67,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         data,
         engine,
         explain,
+        fit,
+        fit_data,
         hf,
         models,
         nn,
@@ -95,6 +100,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         private_value_and_grad,
     )
     from dpzero_jax.explain import explain_plan  # noqa: F401
+    from dpzero_jax.fit import PrivateTrainer  # noqa: F401
+    from dpzero_jax.fit_data import FitResult, evaluate  # noqa: F401
     from dpzero_jax.optax_dp import (  # noqa: F401
         ClippedGrad,
         GaussianPrivatizerState,
