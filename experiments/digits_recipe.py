@@ -13,14 +13,16 @@ reports them all, ranked by the selection rule of :func:`choose`: among the cand
 the non-DP model badly -- the smallest mean gap, ties to the higher DP mean. Prints tables and writes
 ``experiments/results/digits_recipe.json`` (the recipe) or ``digits_recipe_search.json`` (the grid; runs of a
 ``--only`` subset are merged into the file by name). The grid's differences are of the order of the seed-to-seed
-noise (one test example is 0.28 points), so ``digits_recipe_search_seeds345.json`` re-runs the chosen recipe, its
-neighbours and the old default on seeds the choice never saw. Run::
+noise (one test example is 0.28 points), so ``digits_recipe_search_seeds345.json`` and ``..._seeds6789.json``
+re-run the chosen recipe (and some neighbours) and the old default on seeds the choice never saw. Run::
 
     python experiments/digits_recipe.py                      # the recipe, 3 seeds (1-2 minutes)
     python experiments/digits_recipe.py --search             # the whole grid (40 candidates: 20-60 min on 2 cores)
     python experiments/digits_recipe.py --search --only b512-e60-R0.3 b768-e80-R0.3
     python experiments/digits_recipe.py --search --seeds 3 4 5 --only "b256-e30-const (old default)" \
         b512-e60-R0.3 b512-e60-const b1024-e200 --out experiments/results/digits_recipe_search_seeds345.json
+    python experiments/digits_recipe.py --search --seeds 6 7 8 9 --only "b256-e30-const (old default)" \
+        b512-e60-R0.3 --out experiments/results/digits_recipe_search_seeds6789.json
 """
 
 from __future__ import annotations
