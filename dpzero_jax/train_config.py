@@ -115,14 +115,14 @@ class TrainConfig:
     dataset: str = "digits"
     hidden: tuple[int, ...] = (128,)
     steps: int | None = None
-    epochs: float = 30.0
-    batch_size: int = 256
+    epochs: float = 60.0
+    batch_size: int = 512
     micro_batch_size: int | None = None
     epsilon: float = 3.0   # EPSILON_DEFAULT
     delta: float = 1e-5
     noise_multiplier: float | None = None
     accountant: str = "pld"
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 0.3
     clip_fn: str = "abadi"
     groups: Any = "all-layer"
     clip_quantile: float | None = None

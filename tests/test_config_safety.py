@@ -130,7 +130,7 @@ def test_train_help_shows_defaults(capsys):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--lr LR the (peak) learning rate (default: 0.01)" in out and "(default: runs/dpzero)" in out \
-        and "(default: 256)" in out and "--lr-schedule {constant,cosine,linear}" in out and "(default: constant)" in out
+        and "(default: 512)" in out and "--lr-schedule {constant,cosine,linear}" in out and "(default: constant)" in out
 
 
 def test_autotune_warns_when_it_falls_back_to_vmap():

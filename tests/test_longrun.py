@@ -125,8 +125,8 @@ def test_epsilon_of_record_is_composed_before_training(tmp_path, monkeypatch, pr
     run as planned it is composed before training (by calibration, for a calibrated sigma): the end of training
     composes nothing, and the value is the from-scratch one."""
     steps = 300
-    trainer = Trainer(TrainConfig(out=str(tmp_path), steps=steps, log_every=100, progress=False, plot=False,
-                                  checkpoint_every=0, **privacy))
+    trainer = Trainer(TrainConfig(out=str(tmp_path), steps=steps, batch_size=BATCH, log_every=100, progress=False,
+                                  plot=False, checkpoint_every=0, **privacy))
     composed = []
     for name in ("_compose_from_scratch", "_composed"):
         original = getattr(acc, name)
@@ -157,8 +157,8 @@ def test_noise_multiplier_run_is_finite_and_equals_privacy_cli(tmp_path, capsys,
     """The issue's case: --noise-multiplier 1.5896 for 3,000 steps gave epsilon = inf from step 310 on (the cap
     was sized for another epsilon). At accountant level: the trainer's cap, the ledger of the whole run, the CLI."""
     sigma = 1.5896
-    trainer = Trainer(TrainConfig(out=str(tmp_path), steps=steps, noise_multiplier=sigma, progress=False,
-                                  plot=False, checkpoint_every=0))
+    trainer = Trainer(TrainConfig(out=str(tmp_path), steps=steps, batch_size=BATCH, noise_multiplier=sigma,
+                                  progress=False, plot=False, checkpoint_every=0))
     assert trainer.sampling_rate == Q
     eta = trainer.sampler.truncation_probability
     assert eta > 0   # the cap does truncate, rarely: the charge is real and accounted
@@ -177,8 +177,8 @@ def test_noise_multiplier_run_is_finite_and_equals_privacy_cli(tmp_path, capsys,
 def test_short_noise_multiplier_training_reports_finite_epsilon(tmp_path):
     """A real run where the old cap (sized for the default epsilon 3) made epsilon infinite."""
     sigma, steps = 0.6, 40
-    result = Trainer(TrainConfig(out=str(tmp_path), steps=steps, noise_multiplier=sigma, log_every=10,
-                                 progress=False, plot=False, checkpoint_every=0)).run()
+    result = Trainer(TrainConfig(out=str(tmp_path), steps=steps, batch_size=BATCH, noise_multiplier=sigma,
+                                 log_every=10, progress=False, plot=False, checkpoint_every=0)).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     eta = PoissonSampler(DIGITS_N, Q, capacity=result.batch_cap).truncation_probability
     expected = certified_reference([(sigma, Q, steps)], eta, "pld")
@@ -199,9 +199,10 @@ def test_unaffordable_runs_are_refused_before_training(tmp_path):
         Trainer(TrainConfig(out=str(tmp_path), steps=10, noise_multiplier=0.0, progress=False))
     # epsilon ~7,800 (RDP): with PLD the accountant's work limit refuses it first; with RDP the batch cap does
     with pytest.raises(ValueError, match="beyond the PLD accountant's limit"):
-        Trainer(TrainConfig(out=str(tmp_path), steps=3000, noise_multiplier=0.3, progress=False))
+        Trainer(TrainConfig(out=str(tmp_path), steps=3000, batch_size=BATCH, noise_multiplier=0.3, progress=False))
     with pytest.raises(ValueError, match=r"needs a batch cap of \d+ slots per step .*more than the 1024 allowed"):
-        Trainer(TrainConfig(out=str(tmp_path), steps=3000, noise_multiplier=0.3, accountant="rdp", progress=False))
+        Trainer(TrainConfig(out=str(tmp_path), steps=3000, batch_size=BATCH, noise_multiplier=0.3, accountant="rdp",
+                            progress=False))
 
 
 def test_cap_charge_is_a_fixed_share_of_delta():
@@ -218,8 +219,8 @@ def test_cap_charge_is_a_fixed_share_of_delta():
 def test_noise_multiplier_training_3000_steps_matches_privacy_cli(tmp_path, capsys):
     """The issue's run, trained for real through the CLI (about a minute on 2 cores)."""
     sigma, steps = 1.5896, 3000
-    assert main(["train", "--steps", str(steps), "--noise-multiplier", repr(sigma), "--out", str(tmp_path),
-                 "--no-progress"]) == 0
+    assert main(["train", "--steps", str(steps), "--batch-size", str(BATCH), "--noise-multiplier", repr(sigma),
+                 "--out", str(tmp_path), "--no-progress"]) == 0
     capsys.readouterr()
     summary = json.loads((tmp_path / "summary.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
