@@ -11,7 +11,8 @@ the norm of the group's gradient and the clipped sum ``sum_i C_{m,i} g_{m,i}``:
 * ``bk``    book-keeping: one backward pass to the layer outputs (no parameter gradients by autodiff), norms and
             clipped sums from the captured layer inputs and output gradients;
 * ``ghost`` one forward, two pullbacks: norms through per-layer sinks, then the clipped sum through per-layer ports;
-* ``fused`` one pullback; each layer clips its own (layer-local) groups in its custom backward;
+* ``fused`` one pullback; each layer (each site of the traced program) clips its own local groups in its custom
+            backward;
 * ``vmap``  per-example gradients by ``jax.vmap(jax.grad)``, ``microbatch_size`` examples at a time (the reference);
 * ``auto``  the mode the cost model (:func:`choose_mode`) picks for this backend and these shapes.
 
@@ -127,15 +128,9 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
         if plan.outside:
             raise UnsupportedParameterError(
                 f"trainable parameters used outside a supported DP layer: {list(plan.outside)}, and "
-                "DPConfig.front_end='layers'. Use front_end='auto' or 'program' (any JAX model, mode 'bk' or "
-                "'auto'), build the model from dpzero_jax layers, or use mode='vmap'.")
+                "DPConfig.front_end='layers'. Use front_end='auto' or 'program' (any JAX model, mode 'bk', "
+                "'ghost', 'fused' or 'auto'), build the model from dpzero_jax layers, or use mode='vmap'.")
         return "layers"
-    if cfg.mode == "fused":
-        which = f"trainable parameters {list(plan.outside)} are used outside dpzero_jax layers (or inside a scan, " \
-            "where the layers' tape does not follow them)" if plan.outside else "front_end='program' was asked for"
-        raise UnsupportedParameterError(
-            f"mode='fused' runs on dpzero_jax layers only, and {which}. The traced-program front-end runs "
-            "mode='bk', 'ghost' or 'auto', which give the same clipped gradient; mode='vmap' works for any model.")
     if layout is not None:
         raise UnsupportedParameterError(
             "gathering ZeRO-3 shards layer by layer needs dpzero_jax layers, and trainable parameters "
@@ -145,12 +140,14 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
 
 
 def _program_clip(cfg: DPConfig, plan, params, batch, mask) -> _Clipped:
-    """Book-keeping or ghost clipping on the traced program (:mod:`dpzero_jax.program`), ``microbatch_size`` at a
-    time."""
+    """Book-keeping, ghost or fused clipping on the traced program (:mod:`dpzero_jax.program`),
+    ``microbatch_size`` at a time."""
+    from dpzero_jax.program import fused as program_fused
     from dpzero_jax.program import ghost as program_ghost
     from dpzero_jax.program import mode as program_mode
 
-    run = program_ghost.program_ghost if cfg.mode == "ghost" else program_mode.program_bk
+    run = {"ghost": program_ghost.program_ghost, "fused": program_fused.program_fused}.get(cfg.mode,
+                                                                                          program_mode.program_bk)
     chunk = cfg.microbatch_size or plan.batch_size
     leaves = jax.tree.leaves(params)
 

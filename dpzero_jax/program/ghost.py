@@ -48,7 +48,7 @@ def eligible(plan) -> frozenset:
                      if count[site.view.leaf] == 1 and "const" not in site.view.levels and not site.constant)
 
 
-def _squared_norm(site, method: str, w, ops, g):
+def squared_norm(site, method: str, w, ops, g):
     """One example's squared norm of the gradient of the site's leaf (slice), float32 scalar."""
     if site.kind == "dot" or (site.kind == "conv" and sites_lib.conv_factored([site], method)):
         if site.kind == "dot":
@@ -122,7 +122,7 @@ def _ghost_handler(ghost_paths: frozenset, method: str):
             _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops_kept), w)
             (w_grad,) = pullback(g_kept)
             return (w_grad, _data_cotangents(site, w, ops, g),
-                    _squared_norm(site, method, w, ops, g).astype(jnp.float32))
+                    squared_norm(site, method, w, ops, g).astype(jnp.float32))
 
         with_port.defvjp(forward, backward)
         out, port = with_port(w, ops, site_input)
