@@ -219,8 +219,8 @@ def test_bf16_compute_matches_vmap_grad_of_the_same_program():
 
 
 def test_fused_mode_names_the_way_out():
-    setup = SETUPS["nnx"]()
-    with pytest.raises(dz.UnsupportedParameterError, match="mode='bk', 'ghost'"):
+    setup = SETUPS["nnx"]()     # all-layer: one group over every site (tests/test_program_fused.py: what fused does)
+    with pytest.raises(ValueError, match="group 'all' spans 20 sites.*mode='bk' or 'ghost'"):
         dz.private_value_and_grad(setup.loss_fn, dz.DPConfig(mode="fused"))(setup.params, setup.batch,
                                                                             jax.random.key(0))
     with pytest.raises(ValueError, match="front_end"):

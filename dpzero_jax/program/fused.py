@@ -65,13 +65,15 @@ def local_groups(plan) -> tuple[dict, dict]:
                 f"({sorted({plan.paths[s.view.leaf] for s in group_sites})}) with per-example fallback parameters "
                 f"({[plan.paths[i] for i in fallback]}); use groups='param-wise', or {way_out}")
         if len(group_sites) > 1:
-            uses = ", ".join(f"{plan.paths[s.view.leaf]!r} at {s.eqn.primitive.name!r}" for s in group_sites)
+            uses = ", ".join(f"{plan.paths[s.view.leaf]!r} at {s.eqn.primitive.name!r}" for s in group_sites[:4])
+            if len(group_sites) > 4:
+                uses += f" and {len(group_sites) - 4} more"
             tied = [plan.paths[i] for i in leaves if sum(s.view.leaf == i for s in group_sites) > 1]
-            why = f" ({tied} used more than once: tied weights)" if tied else ""
+            hint = (f" ({tied} used more than once: tied weights); {way_out}" if tied else
+                    f". Use groups='param-wise' (a weight and its bias are two sites), or {way_out}")
             raise ValueError(
                 f"mode='fused' needs every clipping group local to one site of the program, but group {name!r} "
-                f"spans {len(group_sites)} sites: {uses}{why}. Use groups='param-wise' (a weight and its bias are "
-                f"two sites), or {way_out}")
+                f"spans {len(group_sites)} sites: {uses}{hint}")
         if group_sites and group_sites[0].lengths:
             site = group_sites[0]
             raise ValueError(

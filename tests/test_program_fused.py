@@ -1,0 +1,313 @@
+"""``mode="fused"`` on the traced-program front-end against ``vmap(grad)``: one pullback, each site clipping its own
+group in its custom backward.
+
+Flax NNX (Embed, LayerNorm, Conv, Linear), plain JAX (a class token, a position table at constant indices, a layer
+scale, ``x.reshape(-1, d) @ W``, fallback leaves: a parameter inside ``lax.cond``, a product of two parameters),
+``jax.checkpoint`` blocks of a small decoder; param-wise and layer-wise groups, the three clip functions,
+thresholds at call time, masks and a NaN example; the refusals (a group spanning sites, tied weights, a scan); one
+backward pass (the forward's operations appear as often as in the non-private gradient, fewer than in ghost's).
+Norms rtol 1e-5, clipped gradients rtol 1e-4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from flax import nnx
+from helpers import B, Setup, check_private, private_fn
+
+import dpzero_jax as dz
+
+VOCAB, T, D = 13, 6, 8
+
+
+def token_batch(seed: int):
+    rng = np.random.default_rng(seed)
+    return {"ids": jnp.asarray(rng.integers(0, VOCAB, (B, T)), jnp.int32),
+            "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+
+def class_loss(logits, y):
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), y[:, None], 1)[:, 0]
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, rngs, bias: bool):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.ln = nnx.LayerNorm(D, use_bias=bias, rngs=rngs)
+        self.conv = nnx.Conv(D, D, kernel_size=(3,), use_bias=bias, rngs=rngs)
+        self.out = nnx.Linear(D, 3, use_bias=bias, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.ln(self.embed(ids))
+        h = h + jax.nn.gelu(self.conv(h))
+        return self.out(h).mean(1)
+
+
+@functools.cache
+def nnx_setup(bias: bool = True) -> Setup:
+    graphdef, params = nnx.split(NNXNet(nnx.Rngs(0), bias), nnx.Param)
+
+    def loss_fn(params, batch):
+        return class_loss(nnx.merge(graphdef, params)(batch["ids"]), batch["y"])
+
+    return Setup(f"nnx-{bias}", params, loss_fn, token_batch(1), ())
+
+
+@functools.cache
+def plain_setup() -> Setup:
+    keys = jax.random.split(jax.random.key(5), 8)
+    params = {"cls": jax.random.normal(keys[0], (1, D)), "position": 0.1 * jax.random.normal(keys[1], (T + 1, D)),
+              "layer_scale": jnp.full((D,), 0.5), "w": jax.random.normal(keys[2], (D, D)) / 3,
+              "lora_a": jax.random.normal(keys[3], (D, 2)), "lora_b": 0.1 * jax.random.normal(keys[4], (2, D)),
+              "head": jax.random.normal(keys[5], (D, 3)), "gate": jnp.asarray(0.3),
+              "wpe": 0.3 * jax.random.normal(keys[6], (T + 3, D)), "wp": jax.random.normal(keys[7], (D, D)) / 3}
+    rng = np.random.default_rng(3)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, batch):
+        x = batch["x"]
+        n = x.shape[0]
+        positions = jnp.take(p["wpe"], jnp.arange(T + 1), axis=0) @ p["wp"]     # a lookup at constant indices
+        h = jnp.concatenate([jnp.broadcast_to(p["cls"][None], (n, 1, D)), x], axis=1) + p["position"] + positions
+        h = (h.reshape(-1, D) @ p["w"]).reshape(n, T + 1, D) * p["layer_scale"]
+        h = h + h @ (p["lora_a"] @ p["lora_b"])                              # fallback: a product of parameters
+        h = jax.lax.cond(True, lambda z: jnp.tanh(z * p["gate"]), lambda z: z, h)   # fallback: inside cond
+        return class_loss(h[:, 0] @ p["head"], batch["y"])
+
+    return Setup("plain", params, loss_fn, batch, ())
+
+
+def _decoder_params(key, layers: int, d: int, vocab: int, length: int, stacked: bool):
+    keys = iter(jax.random.split(key, 8 * layers + 3))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape) / np.sqrt(shape[0])
+
+    blocks = [{"ln": 1.0 + 0.1 * normal(d), "qkv": normal(d, 3 * d), "qkv_b": 0.1 * normal(3 * d),
+               "proj": normal(d, d), "fc": normal(d, 2 * d), "fc_b": 0.1 * normal(2 * d), "fc2": normal(2 * d, d)}
+              for _ in range(layers)]
+    if stacked:
+        blocks = jax.tree.map(lambda *x: jnp.stack(x), *blocks)
+    return {"wte": 0.3 * jax.random.normal(next(keys), (vocab, d)),
+            "wpe": 0.3 * jax.random.normal(next(keys), (length, d)), "blocks": blocks, "head": normal(d, vocab)}
+
+
+def _block(p, h, heads: int = 2):
+    n, t, d = h.shape
+
+    def norm(x, scale):
+        x = x - x.mean(-1, keepdims=True)
+        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * scale
+
+    qkv = norm(h, p["ln"]) @ p["qkv"] + p["qkv_b"]
+    q, k, v = jnp.split(qkv.reshape(n, t, 3 * heads, d // heads), 3, axis=2)
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // heads), -1e9)
+    h = h + jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(att, -1), v).reshape(n, t, d) @ p["proj"]
+    return h + jnp.tanh(h @ p["fc"] + p["fc_b"]) @ p["fc2"]
+
+
+def decoder(layers: int = 2, d: int = 8, vocab: int = VOCAB, length: int = T, batch_size: int = B,
+            stacked: bool = False, policy=None) -> Setup:
+    """A GPT-style decoder of ``jax.checkpoint`` blocks, unrolled (a Python loop) or scanned (stacked weights)."""
+    params = _decoder_params(jax.random.key(3), layers, d, vocab, length, stacked)
+    rng = np.random.default_rng(4)
+    batch = {"ids": jnp.asarray(rng.integers(0, vocab, (batch_size, length)), jnp.int32),
+             "y": jnp.asarray(rng.integers(0, vocab, (batch_size, length)), jnp.int32)}
+    block = jax.checkpoint(_block, policy=policy)
+
+    def loss_fn(p, batch):
+        ids = batch["ids"]
+        h = jnp.take(p["wte"], ids, axis=0) + jnp.take(p["wpe"], jnp.arange(ids.shape[1]), axis=0)
+        if stacked:
+            h, _ = jax.lax.scan(lambda h, lp: (block(lp, h), None), h, p["blocks"])
+        else:
+            for lp in p["blocks"]:
+                h = block(lp, h)
+        logp = jax.nn.log_softmax(h @ p["head"])
+        return -jnp.take_along_axis(logp, batch["y"][..., None], -1)[..., 0].mean(-1)
+
+    return Setup("decoder", params, loss_fn, batch, ())
+
+
+SETUPS = {"nnx": nnx_setup, "plain": plain_setup, "remat": functools.cache(decoder)}
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+@pytest.mark.parametrize("clip_fn", ["abadi", "automatic", "global"])
+def test_fused_matches_vmap_grad(name, clip_fn):
+    check_private(SETUPS[name](), clip_fn=clip_fn, groups="param-wise", mode="fused", front_end="program",
+                  floor=1e-4)
+
+
+def test_layer_wise_groups_of_one_site_each_and_a_group_of_fallback_leaves():
+    """Bias-free NNX layers: each layer-wise group is one site. A group of two fallback leaves (the factors of a
+    product) is clipped from their per-example gradients, which come out of the same pullback."""
+    check_private(nnx_setup(False), clip_fn="abadi", groups="layer-wise", mode="fused", front_end="program")
+    setup = plain_setup()
+    groups = {p: ("lora" if p.startswith("lora") else p) for p in ref.paths(setup.params)}
+    check_private(setup, clip_fn="automatic", groups=groups, mode="fused", floor=1e-4)
+
+
+def test_checkpoint_policy_and_microbatches():
+    check_private(decoder(policy=jax.checkpoint_policies.dots_saveable), clip_fn="abadi", groups="param-wise",
+                  mode="fused", microbatch_size=2, floor=1e-4)
+
+
+def test_thresholds_at_call_time():
+    """Adaptive clipping passes traced thresholds into the jitted step: the taps take them as arguments."""
+    setup = nnx_setup(True)
+    paths = ref.paths(setup.params)
+    thresholds = jnp.asarray(np.linspace(0.05, 0.6, len(paths)), jnp.float32)
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, groups="param-wise", mode="fused", front_end="program")
+    fn = ref.jit(lambda params, batch, key, r: dz.private_value_and_grad(setup.loss_fn, cfg)(params, batch, key,
+                                                                                             thresholds=r))
+    _, grads, stats = fn(setup.params, setup.batch, jax.random.key(0), thresholds)
+    expected, norms, coef = setup.reference("param-wise", "abadi", thresholds=np.asarray(thresholds))
+    assert 0 < np.mean(coef < 1) < 1
+    np.testing.assert_allclose(stats.norms, norms, rtol=1e-5)
+    np.testing.assert_allclose(stats.clip_factors, coef, rtol=1e-5)
+    for path, value in ref.flat(grads).items():
+        np.testing.assert_allclose(value, expected[path], rtol=1e-4, atol=1e-6 * np.max(np.abs(expected[path])),
+                                   err_msg=path)
+
+
+@pytest.mark.parametrize("name", ["nnx", "plain"])
+def test_masks_and_a_nan_example(name):
+    """A NaN in an example's input (``plain``) or in its loss (``nnx``), and a masked example. A non-finite loss
+    drops the example from every group; with a finite loss (``plain``: the head reads the class token, which the
+    NaN never reaches) the example is dropped from the groups where its gradient is not finite only -- each site
+    sees its own group, as in the layers' fused mode -- and contributes exactly zero there."""
+    setup = SETUPS[name]()
+    batch = dict(setup.batch)
+    if name == "plain":
+        batch["x"] = batch["x"].at[3, 0, 0].set(jnp.nan)
+        loss_fn = setup.loss_fn
+        grads = ref.per_example_grads(loss_fn, setup.params, batch)
+    else:
+        batch["poison"] = jnp.zeros((B,), jnp.float32).at[3].set(jnp.nan)
+
+        def loss_fn(params, b, inner=setup.loss_fn):
+            return inner(params, {k: v for k, v in b.items() if k != "poison"}) + b["poison"]
+        grads = {p: g.copy() for p, g in setup.grads.items()}
+        for g in grads.values():
+            g[3] = np.nan
+    mask = np.array([True, False, True, True, True])
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="fused", groups="param-wise", front_end="program")
+    _, out, stats = private_fn(loss_fn, cfg)(setup.params, batch, jax.random.key(0), mask)
+    assert int(stats.num_nonfinite) == 1 and int(stats.num_included) == 3
+    threshold = 1.0 / np.sqrt(len(grads))
+    dropped = 0
+    for j, (path, value) in enumerate(ref.flat(out).items()):
+        finite = np.all(np.isfinite(grads[path].reshape(B, -1)), axis=1)
+        include = mask & finite
+        dropped += not finite[3]
+        clean = {path: np.where(include.reshape((-1,) + (1,) * (grads[path].ndim - 1)), grads[path], 0.0)}
+        expected, _, coef = ref.private_grads(clean, "param-wise", "abadi", thresholds=[threshold], include=include)
+        assert np.all(np.isfinite(value)), path
+        np.testing.assert_allclose(value, expected[path], rtol=1e-4, atol=1e-6 * np.max(np.abs(expected[path])),
+                                   err_msg=path)
+        np.testing.assert_allclose(np.asarray(stats.clip_factors)[:, j], coef[:, 0], rtol=1e-5, err_msg=path)
+    assert 0 < dropped and (name == "nnx") == (dropped == len(grads))
+
+
+class TiedNet(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.embed.attend(jnp.tanh(self.lin(self.embed(ids)))).mean(1)
+
+
+class LinenScanned(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        h = nn.Embed(VOCAB, D)(ids)
+
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, h, _):
+                return h + nn.Dense(D, use_bias=False)(jnp.tanh(h)), None
+
+        h, _ = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(h, None)
+        return nn.Dense(3, use_bias=False)(h).mean(1)
+
+
+def _fused_error(loss_fn, params, batch, groups) -> str:
+    cfg = dz.DPConfig(mode="fused", groups=groups, front_end="program")
+    with pytest.raises(ValueError) as error:
+        dz.private_value_and_grad(loss_fn, cfg)(params, batch, jax.random.key(0))
+    message = str(error.value)
+    assert "mode='bk' or 'ghost'" in message, message
+    return message
+
+
+def test_groups_that_are_not_local_are_refused_by_name():
+    setup = nnx_setup(True)
+    assert "group 'conv' spans 2 sites" in _fused_error(setup.loss_fn, setup.params, setup.batch, "layer-wise")
+    assert "group 'all'" in _fused_error(setup.loss_fn, setup.params, setup.batch, "all-layer")
+    graphdef, params = nnx.split(TiedNet(nnx.Rngs(1)), nnx.Param)
+
+    def tied_loss(p, b):
+        return class_loss(nnx.merge(graphdef, p)(b["ids"])[:, :3], b["y"])
+    message = _fused_error(tied_loss, params, token_batch(2), "param-wise")
+    assert "'embed/embedding'" in message and "tied weights" in message
+    plain = plain_setup()
+    mixed = {p: ("g" if p in ("gate", "head") else p) for p in ref.paths(plain.params)}
+    assert "fallback" in _fused_error(plain.loss_fn, plain.params, plain.batch, mixed)
+
+
+def test_scans_are_refused_stacked_leaf_is_one_group():
+    """On the program front-end a stacked leaf ``[L, ...]`` is one parameter: its group (param-wise or layer-wise)
+    holds every iteration's gradient, so no coefficient is known inside one iteration's backward."""
+    scanned = decoder(stacked=True)
+    message = _fused_error(scanned.loss_fn, scanned.params, scanned.batch, "param-wise")
+    assert "inside a scan (2 iterations)" in message and "stacked over the iterations" in message
+    model = LinenScanned()
+    batch = token_batch(3)
+    params = ref.jit(model.init)(jax.random.key(1), batch["ids"])["params"]
+
+    def loss_fn(p, b):
+        return class_loss(model.apply({"params": p}, b["ids"]), b["y"])
+    message = _fused_error(loss_fn, params, batch, "layer-wise")
+    assert "ScanCheckpointBlock_0/Dense_0" in message and "inside a scan (3 iterations)" in message
+    # the bk mode gives the reference on the same model (the refusal is about fused alone)
+    check_private(Setup("linen", params, loss_fn, batch, ()), clip_fn="abadi", groups="layer-wise", mode="bk")
+
+
+def _count(jaxpr, names) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name in names
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    total += _count(inner, names)
+    return total
+
+
+def test_one_backward_pass():
+    """The forward's own operations (the blocks' ``tanh`` and ``rsqrt``, the remat regions) appear in the fused
+    gradient's program exactly as often as in the non-private gradient's -- forward once, one backward that
+    recomputes each block once -- and more often in ghost's (two pullbacks: every block recomputed twice)."""
+    setup = decoder()
+
+    def non_private(params, batch, key):
+        return jax.grad(lambda p: jnp.sum(setup.loss_fn(p, batch)))(params)
+    counts = {}
+    for name in ("non-DP", "fused", "ghost"):
+        fn = non_private if name == "non-DP" else dz.private_value_and_grad(
+            setup.loss_fn, dz.DPConfig(groups="param-wise", mode=name, front_end="program"))
+        jaxpr = jax.make_jaxpr(fn)(setup.params, setup.batch, jax.random.key(0)).jaxpr
+        counts[name] = tuple(_count(jaxpr, {n}) for n in ("tanh", "rsqrt", "remat2", "checkpoint"))
+    assert counts["fused"] == counts["non-DP"], counts
+    assert all(g >= f for g, f in zip(counts["ghost"], counts["fused"])) and counts["ghost"] != counts["fused"], counts
