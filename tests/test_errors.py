@@ -102,13 +102,15 @@ def raw_bias_setup() -> Setup:
     return Setup("raw-bias", params, loss_fn, mlp_batch(30, in_features=6, num_classes=4), ("lin", "b"))
 
 
-def test_raw_param_outside_layers_is_rejected_by_fused_mode():
+def test_raw_param_outside_layers_runs_fused_on_the_traced_program():
+    """The traced-program front-end takes fused mode over when its groups are local to one site each; a group
+    spanning sites is refused by name."""
     setup = raw_bias_setup()
-    cfg = dz.DPConfig(noise_multiplier=0.0, groups="param-wise", mode="fused")
-    with pytest.raises(dz.UnsupportedParameterError, match=r"\['b'\]") as info:
+    check_private(setup, clip_fn="abadi", groups="param-wise", mode="fused")
+    cfg = dz.DPConfig(noise_multiplier=0.0, groups="all-layer", mode="fused")
+    with pytest.raises(ValueError, match="group 'all' spans 2 sites") as info:
         private_fn(setup.loss_fn, cfg)(setup.params, setup.batch, jax.random.key(0))
-    assert "lin/kernel" not in str(info.value) and "mode='bk'" in str(info.value)
-    assert isinstance(info.value, ValueError)
+    assert "mode='bk'" in str(info.value)
 
 
 def test_raw_param_rejected_with_front_end_layers():
