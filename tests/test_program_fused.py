@@ -38,11 +38,11 @@ def class_loss(logits, y):
 
 
 class NNXNet(nnx.Module):
-    def __init__(self, rngs, bias: bool):
-        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-        self.ln = nnx.LayerNorm(D, use_bias=bias, rngs=rngs)
-        self.conv = nnx.Conv(D, D, kernel_size=(3,), use_bias=bias, rngs=rngs)
-        self.out = nnx.Linear(D, 3, use_bias=bias, rngs=rngs)
+    def __init__(self, rngs, bias: bool, dtype=None):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs, dtype=dtype)
+        self.ln = nnx.LayerNorm(D, use_bias=bias, rngs=rngs, dtype=dtype)
+        self.conv = nnx.Conv(D, D, kernel_size=(3,), use_bias=bias, rngs=rngs, dtype=dtype)
+        self.out = nnx.Linear(D, 3, use_bias=bias, rngs=rngs, dtype=dtype)
 
     def __call__(self, ids):
         h = self.ln(self.embed(ids))
@@ -51,8 +51,8 @@ class NNXNet(nnx.Module):
 
 
 @functools.cache
-def nnx_setup(bias: bool = True) -> Setup:
-    graphdef, params = nnx.split(NNXNet(nnx.Rngs(0), bias), nnx.Param)
+def nnx_setup(bias: bool = True, dtype=None) -> Setup:
+    graphdef, params = nnx.split(NNXNet(nnx.Rngs(0), bias, dtype), nnx.Param)
 
     def loss_fn(params, batch):
         return class_loss(nnx.merge(graphdef, params)(batch["ids"]), batch["y"])
@@ -154,6 +154,12 @@ def test_layer_wise_groups_of_one_site_each_and_a_group_of_fallback_leaves():
     setup = plain_setup()
     groups = {p: ("lora" if p.startswith("lora") else p) for p in ref.paths(setup.params)}
     check_private(setup, clip_fn="automatic", groups=groups, mode="fused", floor=1e-4)
+
+
+def test_bf16_compute_matches_vmap_grad_of_the_same_program():
+    """float32 parameters, bfloat16 computation: the weight path's cotangent goes back through the casts."""
+    check_private(nnx_setup(True, jnp.bfloat16), clip_fn="abadi", groups="param-wise", mode="fused",
+                  front_end="program", rtol=3e-2, norm_rtol=2e-2, floor=3e-2)
 
 
 def test_checkpoint_policy_and_microbatches():
