@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import reference as ref
 from flax import nnx
-from helpers import B, Setup, check_private, private_fn
+from helpers import B, Setup, check_private, gpt2, private_fn, vit
 
 import dpzero_jax as dz
 
@@ -154,6 +154,13 @@ def test_layer_wise_groups_of_one_site_each_and_a_group_of_fallback_leaves():
     setup = plain_setup()
     groups = {p: ("lora" if p.startswith("lora") else p) for p in ref.paths(setup.params)}
     check_private(setup, clip_fn="automatic", groups=groups, mode="fused", floor=1e-4)
+
+
+@pytest.mark.parametrize("setup", [lambda: gpt2(False), vit], ids=["gpt2-untied", "vit"])
+def test_bundled_models_as_plain_jax(setup):
+    """The bundled GPT-2 (position table at constant indices, attention, layer norms) and ViT (patch convolution,
+    class token, position table) read as plain JAX programs."""
+    check_private(setup(), clip_fn="abadi", groups="param-wise", mode="fused", front_end="program")
 
 
 def test_bf16_compute_matches_vmap_grad_of_the_same_program():
