@@ -83,6 +83,10 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
         from dpzero_jax.program import mode as program_mode
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
-        return PlanReport("program", program_mode.concrete_mode(cfg, program_plan),
-                          tuple(program_mode.explain(program_plan, params, cfg)))
+        mode = program_mode.concrete_mode(cfg, program_plan)
+        if mode == "fused":   # refused here as the run would refuse it: a group that is not local to one site
+            from dpzero_jax.program import fused as program_fused
+
+            program_fused.local_groups(program_plan)
+        return PlanReport("program", mode, tuple(program_mode.explain(program_plan, params, cfg)))
     return PlanReport("layers", engine.choose_mode(cfg, plan).mode, tuple(_layer_rows(plan, params, cfg)))
