@@ -103,14 +103,11 @@ def raw_bias_setup() -> Setup:
 
 
 def test_raw_param_outside_layers_runs_fused_on_the_traced_program():
-    """The traced-program front-end takes fused mode over when its groups are local to one site each; a group
-    spanning sites is refused by name."""
+    """The traced-program front-end takes fused mode over when its groups are local to one layer call: the kernel
+    and the raw bias added after it form one (tests/test_program_fused.py: what it refuses)."""
     setup = raw_bias_setup()
-    check_private(setup, clip_fn="abadi", groups="param-wise", mode="fused")
-    cfg = dz.DPConfig(noise_multiplier=0.0, groups="all-layer", mode="fused")
-    with pytest.raises(ValueError, match="group 'all' spans 2 sites") as info:
-        private_fn(setup.loss_fn, cfg)(setup.params, setup.batch, jax.random.key(0))
-    assert "mode='bk'" in str(info.value)
+    for groups in ("param-wise", "all-layer"):
+        check_private(setup, clip_fn="abadi", groups=groups, mode="fused")
 
 
 def test_raw_param_rejected_with_front_end_layers():

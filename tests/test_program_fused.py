@@ -147,10 +147,15 @@ def test_fused_matches_vmap_grad(name, clip_fn):
                   floor=1e-4)
 
 
-def test_layer_wise_groups_of_one_site_each_and_a_group_of_fallback_leaves():
-    """Bias-free NNX layers: each layer-wise group is one site. A group of two fallback leaves (the factors of a
-    product) is clipped from their per-example gradients, which come out of the same pullback."""
-    check_private(nnx_setup(False), clip_fn="abadi", groups="layer-wise", mode="fused", front_end="program")
+def test_layer_wise_groups_and_a_group_of_fallback_leaves():
+    """Layer-wise groups: a kernel and its bias (``dot`` / ``conv`` then ``add``), a norm's scale and bias (``mul``
+    then ``add``) are clipped together in the backward of the group's first site, the bias's gradient arriving
+    through the link; also inside ``jax.checkpoint`` blocks (a callable grouping each weight with its bias). A group
+    of two fallback leaves (the factors of a product) is clipped from their per-example gradients."""
+    check_private(nnx_setup(True), clip_fn="abadi", groups="layer-wise", mode="fused", front_end="program")
+    check_private(gpt2(False), clip_fn="global", groups="layer-wise", mode="fused", front_end="program")
+    check_private(decoder(), clip_fn="automatic", groups=lambda p: p.removesuffix("_b"), mode="fused",
+                  front_end="program", floor=1e-4)
     setup = plain_setup()
     groups = {p: ("lora" if p.startswith("lora") else p) for p in ref.paths(setup.params)}
     check_private(setup, clip_fn="automatic", groups=groups, mode="fused", floor=1e-4)
@@ -175,15 +180,16 @@ def test_checkpoint_policy_and_microbatches():
 
 
 def test_thresholds_at_call_time():
-    """Adaptive clipping passes traced thresholds into the jitted step: the taps take them as arguments."""
+    """Adaptive clipping passes traced thresholds into the jitted step: the taps take them as arguments (layer-wise:
+    a kernel and its bias clipped together)."""
     setup = nnx_setup(True)
-    paths = ref.paths(setup.params)
-    thresholds = jnp.asarray(np.linspace(0.05, 0.6, len(paths)), jnp.float32)
-    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, groups="param-wise", mode="fused", front_end="program")
+    norms = setup.group_norms("layer-wise")          # [B, M]: per-group thresholds that clip about half
+    thresholds = jnp.asarray([ref.split_threshold(norms[:, m]) for m in range(norms.shape[1])], jnp.float32)
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, groups="layer-wise", mode="fused", front_end="program")
     fn = ref.jit(lambda params, batch, key, r: dz.private_value_and_grad(setup.loss_fn, cfg)(params, batch, key,
                                                                                              thresholds=r))
     _, grads, stats = fn(setup.params, setup.batch, jax.random.key(0), thresholds)
-    expected, norms, coef = setup.reference("param-wise", "abadi", thresholds=np.asarray(thresholds))
+    expected, norms, coef = setup.reference("layer-wise", "abadi", thresholds=np.asarray(thresholds))
     assert 0 < np.mean(coef < 1) < 1
     np.testing.assert_allclose(stats.norms, norms, rtol=1e-5)
     np.testing.assert_allclose(stats.clip_factors, coef, rtol=1e-5)
@@ -192,15 +198,40 @@ def test_thresholds_at_call_time():
                                    err_msg=path)
 
 
-@pytest.mark.parametrize("name", ["nnx", "plain"])
-def test_masks_and_a_nan_example(name):
-    """A NaN in an example's input (``plain``) or in its loss (``nnx``), and a masked example. A non-finite loss
-    drops the example from every group; with a finite loss (``plain``: the head reads the class token, which the
-    NaN never reaches) the example is dropped from the groups where its gradient is not finite only -- each site
-    sees its own group, as in the layers' fused mode -- and contributes exactly zero there."""
-    setup = SETUPS[name]()
+class FloatNet(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.ln = nnx.LayerNorm(D, rngs=rngs)
+        self.out = nnx.Linear(D, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.ln(self.lin(x)))).mean(1)
+
+
+@functools.cache
+def float_setup() -> Setup:
+    graphdef, params = nnx.split(FloatNet(nnx.Rngs(2)), nnx.Param)
+    rng = np.random.default_rng(9)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(params, batch):
+        return class_loss(nnx.merge(graphdef, params)(batch["x"]), batch["y"])
+
+    return Setup("nnx-float", params, loss_fn, batch, ())
+
+
+@pytest.mark.parametrize("name, groups", [("nnx", "param-wise"), ("plain", "param-wise"),
+                                          ("nnx-float", "layer-wise")])
+def test_masks_and_a_nan_example(name, groups):
+    """A NaN in an example's input (``plain``, ``nnx-float``) or in its loss (``nnx``), and a masked example. A
+    non-finite loss drops the example from every group (``nnx-float``: kernels and biases clipped together, the
+    NaN reaching every site); with a finite loss (``plain``: the head reads the class token, which the NaN never
+    reaches) the example is dropped from the groups where its gradient is not finite only -- each site sees its
+    own group, as in the layers' fused mode -- and contributes exactly zero there."""
+    setup = {"nnx-float": float_setup}.get(name, SETUPS.get(name))()
     batch = dict(setup.batch)
-    if name == "plain":
+    if "x" in batch:
         batch["x"] = batch["x"].at[3, 0, 0].set(jnp.nan)
         loss_fn = setup.loss_fn
         grads = ref.per_example_grads(loss_fn, setup.params, batch)
@@ -213,22 +244,26 @@ def test_masks_and_a_nan_example(name):
         for g in grads.values():
             g[3] = np.nan
     mask = np.array([True, False, True, True, True])
-    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="fused", groups="param-wise", front_end="program")
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="fused", groups=groups, front_end="program")
     _, out, stats = private_fn(loss_fn, cfg)(setup.params, batch, jax.random.key(0), mask)
     assert int(stats.num_nonfinite) == 1 and int(stats.num_included) == 3
-    threshold = 1.0 / np.sqrt(len(grads))
+    group_of, names = ref.group_assignment(groups, list(grads))
+    threshold = 1.0 / np.sqrt(len(names))
+    actual = ref.flat(out)
     dropped = 0
-    for j, (path, value) in enumerate(ref.flat(out).items()):
-        finite = np.all(np.isfinite(grads[path].reshape(B, -1)), axis=1)
+    for m, group in enumerate(names):
+        members = [p for p in grads if group_of[p] == group]
+        finite = np.all([np.all(np.isfinite(grads[p].reshape(B, -1)), axis=1) for p in members], axis=0)
         include = mask & finite
         dropped += not finite[3]
-        clean = {path: np.where(include.reshape((-1,) + (1,) * (grads[path].ndim - 1)), grads[path], 0.0)}
-        expected, _, coef = ref.private_grads(clean, "param-wise", "abadi", thresholds=[threshold], include=include)
-        assert np.all(np.isfinite(value)), path
-        np.testing.assert_allclose(value, expected[path], rtol=1e-4, atol=1e-6 * np.max(np.abs(expected[path])),
-                                   err_msg=path)
-        np.testing.assert_allclose(np.asarray(stats.clip_factors)[:, j], coef[:, 0], rtol=1e-5, err_msg=path)
-    assert 0 < dropped and (name == "nnx") == (dropped == len(grads))
+        clean = {p: np.where(include.reshape((-1,) + (1,) * (grads[p].ndim - 1)), grads[p], 0.0) for p in members}
+        expected, _, coef = ref.private_grads(clean, "all-layer", "abadi", thresholds=[threshold], include=include)
+        for path in members:
+            assert np.all(np.isfinite(actual[path])), path
+            np.testing.assert_allclose(actual[path], expected[path], rtol=1e-4,
+                                       atol=1e-6 * np.max(np.abs(expected[path])), err_msg=path)
+        np.testing.assert_allclose(np.asarray(stats.clip_factors)[:, m], coef[:, 0], rtol=1e-5, err_msg=group)
+    assert 0 < dropped and (name != "plain") == (dropped == len(names))
 
 
 class TiedNet(nnx.Module):
@@ -265,8 +300,13 @@ def _fused_error(loss_fn, params, batch, groups) -> str:
 
 def test_groups_that_are_not_local_are_refused_by_name():
     setup = nnx_setup(True)
-    assert "group 'conv' spans 2 sites" in _fused_error(setup.loss_fn, setup.params, setup.batch, "layer-wise")
-    assert "group 'all'" in _fused_error(setup.loss_fn, setup.params, setup.batch, "all-layer")
+    message = _fused_error(setup.loss_fn, setup.params, setup.batch, "all-layer")
+    assert "group 'all' spans 7 sites" in message
+    blocks = decoder()
+    message = _fused_error(blocks.loss_fn, blocks.params, blocks.batch, "layer-wise")
+    assert "group 'blocks/0' has 4 dot / conv / gather sites" in message
+    message = _fused_error(blocks.loss_fn, blocks.params, blocks.batch, lambda p: "ln" if p.endswith("/ln") else p)
+    assert "group 'ln' spans 2 sites" in message and "different sub-programs" in message
     graphdef, params = nnx.split(TiedNet(nnx.Rngs(1)), nnx.Param)
 
     def tied_loss(p, b):

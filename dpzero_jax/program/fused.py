@@ -2,9 +2,9 @@
 
 Book-keeping (:mod:`dpzero_jax.program.mode`) keeps every site's operands and output gradient until the norms are
 known; ghost (:mod:`dpzero_jax.program.ghost`) keeps nothing but runs the backward twice (norms, then the clipped
-sum), and under ``jax.checkpoint`` recomputes every block twice. When every clipping group is *local to one site*
-the coefficient of an example in that group is known as soon as that site's output gradient is, so one backward
-pass does it all:
+sum), and under ``jax.checkpoint`` recomputes every block twice. When every clipping group is *local* (one site,
+or one site and small ones next to it: see Locality below) the coefficient of an example in that group is known as
+soon as that site's output gradient is, so one backward pass does it all:
 
 * the site's equation is evaluated twice in the forward, ``y_data = f(stop_gradient(w), ops)`` (the data path:
   its value is the site's output) and ``y_weight = f(w, stop_gradient(ops'))`` (the weight path: its value is
@@ -19,21 +19,31 @@ pass does it all:
   contraction: no per-example parameter gradient is formed for the sum;
 * the squared norm also goes out as the cotangent of a per-example scalar *sink* (for the statistics).
 
-NaN safety: an example whose site operands are not all finite has them replaced by zeros on the weight path
-(``ops'``) and its norm reported as NaN, so it gets ``C = 0`` and contributes exactly zero (never ``0 * NaN``);
-the output gradient of an example with ``C = 0`` is selected away. The loss cotangent is 0 for a non-finite loss
-(as in the layers' fused mode), and the mask enters the taps as a per-example ``keep``. As in the layers' fused
-mode, an example with a finite loss but a non-finite norm in one group is dropped from that group only (each tap
-sees only its own group; the per-group bound still holds).
+NaN safety: the weight path and the norm see the site's operands with non-finite entries zeroed (``ops'``), and
+an example with such an entry has its norm reported as NaN, so it gets ``C = 0`` and contributes exactly zero
+(never ``0 * NaN``); the output gradient of an example with ``C = 0`` is selected away. Sites whose parameter
+gradient ignores the other operands' values (``add``, ``sub``, ``concatenate``: a bias, a shift, a class token)
+keep none of them. The loss cotangent is 0 for a non-finite loss (as in the layers' fused mode), and the mask
+enters the taps as a per-example ``keep``. As in the layers' fused mode, an example with a finite loss but a
+non-finite norm in one group is dropped from that group only (each tap sees only its own group; the per-group
+bound still holds).
 
-Locality (:func:`local_groups`): a group is local when its trainable leaves meet the example's data at exactly one
-site (one equation, not inside a ``scan``), or when all its leaves are fallback leaves (their per-example
-gradients come out of the same pullback, through per-example copies, and are clipped after it). A group that spans
-several sites -- tied weights, a layer-wise group of a kernel and its bias (two equations: ``dot`` then ``add``),
-``all-layer`` -- or a site inside a ``scan`` is refused with the group's name: on the program front-end a stacked
-leaf ``[L, ...]`` is ONE parameter path, so its group (param-wise: the leaf; layer-wise: its parent path) holds
-all ``L`` iterations' gradients (book-keeping and ghost add the iterations' squared norms), and no iteration's
-coefficient is known before the backward has run through all of them.
+Locality (:func:`local_groups`): a group is clipped in the backward of its *head*, its first site in program order
+(the last the backward reaches). Its other sites, the *members*, must be ``local`` sites (a bias, a norm's scale:
+per-example gradients as small as the parameter) in the same sub-program, each leaf used once: the head's tap
+has one more output per member, a zero *link* of the member's view shape, which the member's tap takes as an
+input; the member's backward, reached first, returns the example's gradient of its view as the link's cotangent;
+the head adds its norm to the group's and returns it, times ``C``, to the member's view (replayed from the leaf at
+the head, so that the member's weight path runs through the head's tap). So ``layer-wise`` groups of a kernel and
+its bias (``dot`` / ``conv`` then ``add``) or of a norm's scale and bias are local; so are ``param-wise`` groups,
+and groups whose leaves are all fallback leaves (their per-example gradients come out of the same pullback,
+through per-example copies, and are clipped after it). Refused with the group's name: tied weights (the uses'
+gradients add up with cross terms), a group with two ``dot`` / ``conv`` / ``gather`` sites (``all-layer``, a
+layer-wise block of several matrices: their per-example gradients would be routed whole) or with sites in
+different sub-programs, and any site inside a ``scan``: on the program front-end a stacked leaf ``[L, ...]`` is ONE
+parameter path, so its group (param-wise: the leaf; layer-wise: its parent path) holds all ``L`` iterations'
+gradients (book-keeping and ghost add the iterations' squared norms), and no iteration's coefficient is known
+before the backward has run through all of them.
 """
 
 from __future__ import annotations
@@ -48,45 +58,58 @@ from dpzero_jax.program.interpret import run
 
 
 def local_groups(plan) -> tuple[dict, dict]:
-    """``({site path: group}, {group: [fallback leaves]})`` when every group is local (see the module doc); else a
-    ``ValueError`` naming the first group that is not, and why."""
+    """``({head site path: (group, member site paths)}, {group: [fallback leaves]})`` when every group is local
+    (see the module doc); else a ``ValueError`` naming the first group that is not, and why. A group's *head* is
+    its first site in program order (the last one the backward reaches), its *members* the others."""
     analysis = plan.analysis
-    site_groups: dict = {}
+    heads: dict = {}
     fallback_groups: dict = {}
+    way_out = "use mode='bk' or 'ghost' (same clipped gradient)"
     for group, name in enumerate(plan.group_names):
         leaves = [i for i, path in enumerate(plan.paths) if plan.group_of[path] == group]
         group_sites = sorted((s for s in analysis.sites.values() if s.view.leaf in leaves), key=lambda s: s.path)
         fallback = [i for i in leaves if i in analysis.fallback]
-        way_out = "use mode='bk' or 'ghost' (same clipped gradient)"
         if group_sites and fallback:
             raise ValueError(
                 f"mode='fused' clips each group inside the backward of the one site where it meets the example's "
                 f"data, but group {name!r} mixes parameters used at sites "
                 f"({sorted({plan.paths[s.view.leaf] for s in group_sites})}) with per-example fallback parameters "
                 f"({[plan.paths[i] for i in fallback]}); use groups='param-wise', or {way_out}")
-        if len(group_sites) > 1:
+        if any(s.lengths for s in group_sites):
+            site = next(s for s in group_sites if s.lengths)
+            raise ValueError(
+                f"mode='fused' needs every clipping group local to one pass through its layer, but group {name!r} "
+                f"is used inside a scan ({' x '.join(map(str, site.lengths))} iterations): "
+                f"{plan.paths[site.view.leaf]!r} is one parameter "
+                f"{'stacked over the iterations' if 'xs' in site.view.levels else 'shared by them'}, its group "
+                f"holds every iteration's gradient, and no iteration's clip coefficient is known before the "
+                f"backward has gone through all of them; {way_out}")
+        tied = [plan.paths[i] for i in leaves if sum(s.view.leaf == i for s in group_sites) > 1]
+        scopes = {s.path[:-1] for s in group_sites}
+        if tied or len(scopes) > 1:
             uses = ", ".join(f"{plan.paths[s.view.leaf]!r} at {s.eqn.primitive.name!r}" for s in group_sites[:4])
             if len(group_sites) > 4:
                 uses += f" and {len(group_sites) - 4} more"
-            tied = [plan.paths[i] for i in leaves if sum(s.view.leaf == i for s in group_sites) > 1]
-            hint = (f" ({tied} used more than once: tied weights); {way_out}" if tied else
-                    f". Use groups='param-wise' (a weight and its bias are two sites), or {way_out}")
+            why = (f"{tied} used more than once (tied weights): the uses' gradients add up, with cross terms" if tied
+                   else "in different sub-programs (jit / remat regions): a group's sites must be evaluated together")
+            hint = "U" + way_out[1:] if tied else f"Use groups='param-wise' or 'layer-wise', or {way_out}"
             raise ValueError(
-                f"mode='fused' needs every clipping group local to one site of the program, but group {name!r} "
-                f"spans {len(group_sites)} sites: {uses}{hint}")
-        if group_sites and group_sites[0].lengths:
-            site = group_sites[0]
+                f"mode='fused' needs every clipping group local to one layer call, but group {name!r} spans "
+                f"{len(group_sites)} sites ({uses}), {why}. {hint}")
+        factored = [s for s in group_sites if s.kind != "local"]
+        if len(factored) > 1 or (factored and factored[0] is not group_sites[0]):
+            uses = ", ".join(f"{plan.paths[s.view.leaf]!r} at {s.eqn.primitive.name!r}" for s in factored[:4])
             raise ValueError(
-                f"mode='fused' needs every clipping group local to one site, but group {name!r} is used inside a "
-                f"scan ({' x '.join(map(str, site.lengths))} iterations): {plan.paths[site.view.leaf]!r} is one "
-                f"parameter {'stacked over the iterations' if 'xs' in site.view.levels else 'shared by them'}, "
-                f"its group holds every iteration's gradient, and no iteration's clip coefficient is known before "
-                f"the backward has gone through all of them; {way_out}")
+                f"mode='fused' clips a group in the backward of its first site, which takes the per-example "
+                f"gradients of the group's other sites along; those must be small (biases, scales: 'local' "
+                f"sites), but group {name!r} has {len(factored)} dot / conv / gather sites ({uses}"
+                f"{' ...' if len(factored) > 4 else ''}){'' if len(factored) > 1 else ' after another site'}. "
+                f"Use groups='param-wise' or 'layer-wise', or {way_out}")
         if group_sites:
-            site_groups[group_sites[0].path] = group
+            heads[group_sites[0].path] = (group, tuple(s.path for s in group_sites[1:]))
         elif fallback:
             fallback_groups[group] = fallback
-    return site_groups, fallback_groups
+    return heads, fallback_groups
 
 
 # Sites whose parameter gradient does not depend on the values of the other operands (a bias, a shift, a class
@@ -103,11 +126,55 @@ def _finite(ops):
                 else o for o in ops]
 
 
-def _fused_handler(method: str, clip_fn: str, gamma: float):
-    """The site handler: the data path, the weight path and the tap (see the module doc). A site's input is
-    ``(sink, keep, threshold)`` for this example."""
+def _leaf_sq(site, view_grad):
+    """One example's squared norm (float32) of a leaf's gradient given the gradient of its view (through the view's
+    chain: a broadcast sums, a reshape or transpose keeps the norm)."""
+    base_shape = site.view.chain[0].invars[0].aval.shape if site.view.chain else view_grad.shape
+    _, to_base = jax.vjp(lambda b: sites_lib.replay_chain(site, b, skip_casts=True).astype(jnp.float32),
+                         jnp.zeros(base_shape, jnp.float32))
+    (leaf_grad,) = to_base(view_grad.astype(jnp.float32))
+    return jnp.sum(jnp.square(leaf_grad))
+
+
+def _fused_handler(plan, heads: dict, method: str, clip_fn: str, gamma: float):
+    """The site handler: the data path, the weight path and the tap (see the module doc). A head site's input is
+    ``(sink, keep, threshold, member leaves)`` for this example; a member site's is None. A head's tap has one more
+    output per member, a zero *link* of the member's view shape, which the member's tap takes as an input: its
+    backward (reached first) returns the example's gradient of the member's view as the link's cotangent, and the
+    head's backward adds its norm to the group's and returns it, scaled by the coefficient, to the member's view
+    (computed at the head from the leaf, so that its weight path goes through the head)."""
+    links: dict = {}      # member site path -> its link (a value of the trace both sites are evaluated in)
+    sites = plan.analysis.sites
+
+    def member(site, invals):
+        link = links.pop(site.path)
+        w = invals[site.param_operand]
+        ops = [invals[i] for i in site.recorded]
+        y_data = sites_lib.apply_site(site, jax.lax.stop_gradient(w), ops)
+
+        @jax.custom_vjp
+        def tap(y_data, link, w, ops):
+            if site.constant:   # no data enters: make the output (and so its cotangent) per example
+                return y_data + (jnp.sum(link) * 0.0).astype(y_data.dtype)
+            return y_data
+
+        def forward(y_data, link, w, ops):
+            return tap(y_data, link, w, ops), (w, ops)
+
+        def backward(saved, g):
+            w, ops = saved
+            _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops), w)
+            return g, pullback(g)[0].astype(link.dtype), None, [None] * len(ops)
+
+        tap.defvjp(forward, backward)
+        return [tap(y_data, link, jax.lax.stop_gradient(w), ops)]
+
     def handler(site, invals, site_input, records):
-        sink, keep, threshold = site_input
+        if site_input is None:
+            return member(site, invals)
+        sink, keep, threshold, member_leaves = site_input
+        members = [sites[p] for p in heads[site.path][1]]
+        views = [sites_lib.replay_chain(m, leaf) for m, leaf in zip(members, member_leaves)]
         w = invals[site.param_operand]
         ops = [invals[i] for i in site.recorded]
         y_data = sites_lib.apply_site(site, jax.lax.stop_gradient(w), ops)
@@ -122,40 +189,46 @@ def _fused_handler(method: str, clip_fn: str, gamma: float):
             y_weight = sites_lib.apply_site(site, w, held)
 
         @jax.custom_vjp
-        def tap(y_data, y_weight, w, held, ok, sink, keep, threshold):
-            if site.constant:   # no data enters: make the output (and so its cotangent) per example
-                return y_data + (sink * 0.0).astype(y_data.dtype)
-            return y_data
+        def tap(y_data, y_weight, w, held, ok, sink, keep, threshold, views):
+            out = y_data + (sink * 0.0).astype(y_data.dtype) if site.constant else y_data
+            return out, [jnp.zeros(v.shape, v.dtype) + (sink * 0.0).astype(v.dtype) for v in views]
 
-        def forward(y_data, y_weight, w, held, ok, sink, keep, threshold):
-            return tap(y_data, y_weight, w, held, ok, sink, keep, threshold), (w, held, ok, keep, threshold)
+        def forward(y_data, y_weight, w, held, ok, sink, keep, threshold, views):
+            return tap(y_data, y_weight, w, held, ok, sink, keep, threshold, views), (w, held, ok, keep, threshold)
 
-        def backward(saved, g):
+        def backward(saved, cotangents):
             w, held, ok, keep, threshold = saved
+            g, member_grads = cotangents
             values = held if held else [jnp.zeros(shape, dtype) for shape, dtype in shapes]
             sq = jnp.where(ok, squared_norm(site, method, w, values, g).astype(jnp.float32), jnp.nan)
+            for m, grad in zip(members, member_grads):
+                sq = sq + _leaf_sq(m, grad)
             coef = clipping.coefficients(jnp.sqrt(sq).reshape(1, 1), jnp.reshape(threshold, (1,)),
                                          jnp.reshape(keep, (1,)), clip_fn, gamma)[0, 0]
             scaled = jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
-            return g, scaled, None, [None] * len(held), None, sq, None, None
+            member_scaled = [jnp.where(coef != 0, grad * coef.astype(grad.dtype), jnp.zeros((), grad.dtype))
+                             for grad in member_grads]
+            return g, scaled, None, [None] * len(held), None, sq, None, None, member_scaled
 
         tap.defvjp(forward, backward)
-        return [tap(y_data, y_weight, jax.lax.stop_gradient(w), held, ok, sink, keep, threshold)]
+        out, member_links = tap(y_data, y_weight, jax.lax.stop_gradient(w), held, ok, sink, keep, threshold, views)
+        links.update(zip(heads[site.path][1], member_links))
+        return [out]
     return handler
 
 
 def program_fused(cfg, plan, params, batch, mask):
     """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``: one forward (``vmap`` over
     the examples inside one ``jax.vjp``), one pullback."""
-    site_groups, fallback_groups = local_groups(plan)
+    heads, fallback_groups = local_groups(plan)
     leaves, treedef = jax.tree.flatten(params)
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
     analysis = plan.analysis
-    site_leaves = sorted({analysis.sites[p].view.leaf for p in site_groups})
+    site_leaves = sorted({s.view.leaf for s in analysis.sites.values()})
     fallback = sorted(analysis.fallback)
     thresholds = jnp.asarray(plan.thresholds, jnp.float32)
-    handler = _fused_handler(cfg.norm_method, cfg.clip_fn, cfg.gamma)
+    handler = _fused_handler(plan, heads, cfg.norm_method, cfg.clip_fn, cfg.gamma)
 
     def forward(trained, copies, sinks):
         values = list(leaves)
@@ -166,23 +239,26 @@ def program_fused(cfg, plan, params, batch, mask):
             local = list(values)
             for i, v in zip(fallback, copies_i):
                 local[i] = v
-            inputs = {path: (sinks_i[path], keep_i, thresholds[group]) for path, group in site_groups.items()}
+            inputs = {path: None for path in analysis.sites}
+            for path, (group, members) in heads.items():
+                inputs[path] = (sinks_i[path], keep_i, thresholds[group],
+                                [local[analysis.sites[m].view.leaf] for m in members])
             (loss,) = run(plan.closed.jaxpr, plan.closed.consts, local + list(example), analysis, inputs, {},
                           handler=handler)
             return loss
         return jax.vmap(one, spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves), sinks, mask)
 
-    sinks = {path: jnp.zeros((size,), jnp.float32) for path in site_groups}
+    sinks = {path: jnp.zeros((size,), jnp.float32) for path in heads}
     copies = [jnp.broadcast_to(leaves[i], (size,) + leaves[i].shape) for i in fallback]
     losses, pullback = jax.vjp(forward, [leaves[i] for i in site_leaves], copies, sinks)
     # An example with a non-finite loss gets a zero cotangent: its output gradients are zero (or non-finite, and
     # then its norms are), so it contributes nothing at any site.
-    sums, fallback_ct, sq_of_site = pullback(jnp.where(jnp.isfinite(losses), 1.0, 0.0).astype(losses.dtype))
+    sums, fallback_ct, sq_of_head = pullback(jnp.where(jnp.isfinite(losses), 1.0, 0.0).astype(losses.dtype))
 
     n_groups = len(plan.group_names)
     sq = [jnp.zeros((size,), jnp.float32)] * n_groups
-    for path, group in site_groups.items():
-        sq[group] = sq_of_site[path]
+    for path, (group, _) in heads.items():
+        sq[group] = sq_of_head[path]
     per_example = dict(zip(fallback, fallback_ct))
     for group, members in fallback_groups.items():
         sq[group] = sum(jnp.sum(jnp.square(per_example[i].astype(jnp.float32)).reshape(size, -1), axis=1)
