@@ -191,7 +191,7 @@ class CaptureTape(_Tape):
         held = {name: jax.lax.stop_gradient(v) for name, v in trainable.items()}
         layer_params = {**frozen, **held}
         if self._gathers(paths):  # shards: the layer gathers its weights and the backward gathers them again
-            if getattr(rule, "residual", None) is not None:
+            if rule.keeps_residual:
                 raise ValueError(f"layer rule {rule.name!r} keeps a residual in place of its input; it cannot "
                                  "gather its weights layer by layer (use whole parameters)")
             y = _regathering_layer(rule, spec, self._gatherer(paths, rule, x), None, held, frozen, x)

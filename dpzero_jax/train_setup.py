@@ -1,8 +1,13 @@
 """Setting up a training run from its :class:`~dpzero_jax.train_config.TrainConfig`: data, model, PEFT, RMM
-layers, devices, the mesh and multi-process start (used by :class:`dpzero_jax.train.Trainer`)."""
+layers, devices, the mesh and multi-process start, the sampling and privacy plan (:func:`plan_run`), adaptive
+clipping's rule and split of sigma (:func:`plan_adaptive_clipping`; used by :class:`dpzero_jax.train.Trainer`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import sys
+import time
 import warnings
 
 import jax
@@ -10,6 +15,9 @@ import numpy as np
 from flax import nnx
 
 from dpzero_jax import (
+    accounting,
+    adaptive_clipping,
+    clipping,
     hf,
     models,
     peft,
@@ -19,7 +27,12 @@ from dpzero_jax import (
     text,
 )
 from dpzero_jax import nn as dz_nn
+from dpzero_jax.accounting import run as run_privacy
+from dpzero_jax.config import DPConfig
 from dpzero_jax.data import load_dataset
+from dpzero_jax.engine import make_plan
+from dpzero_jax.running_accountant import RunningAccountant, row_interval
+from dpzero_jax.sampling import FixedSizeSampler, ShuffledEpochs
 from dpzero_jax.train_config import PRECISIONS, RMM_KEY_TAG, TrainConfig, _hf_path, _mesh_shape
 
 
@@ -133,6 +146,55 @@ def _apply_rmm(cfg: TrainConfig, model: nnx.Module, trainable: peft.Trainable) -
     return rmm.convert_to_rmm(model, sketch=cfg.rmm, rate=cfg.rmm_rate, private=not cfg.no_dp, where=where)
 
 
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A run's model and loss (:func:`build_objective`).
+
+    ``model``: the model after PEFT (what the run exports: RMM layers are a device of training);
+    ``trainable``: the NNX filter of the trained parameters; ``inputs``: the batch key(s) the model reads
+    (``"image"``, ``"input_ids"`` or ``("input_ids", "attention_mask")``); ``init_params``: the trained parameters'
+    initial values; ``loss_fn(params, batch, frozen=None) -> [B]``; ``loss_for_key(noise_key) -> loss_fn`` with the
+    step's RMM sketches (None without RMM layers); ``apply_fn(params, x, frozen=None) -> logits``; ``step_model``:
+    the model the step computes (RMM layers converted); ``rmm_diagnostics``: the jitted diagnostics
+    (:func:`_diagnostics_fn`) when asked for, else None."""
+
+    model: nnx.Module
+    trainable: object
+    inputs: str | tuple
+    init_params: object
+    loss_fn: object
+    loss_for_key: object
+    apply_fn: object
+    step_model: nnx.Module
+    rmm_diagnostics: object
+
+
+def build_objective(cfg: TrainConfig, train_data: dict, label_names, root: jax.Array) -> Objective:
+    """The :class:`Objective` of a run: the model (initialised from ``fold_in(root, 0)``; PEFT adapters from
+    ``fold_in(root, 3)``), its RMM conversion, and the task's objective over the training data's inputs."""
+    model = _make_model(cfg, train_data, nnx.Rngs(params=jax.random.fold_in(root, 0)), label_names, seed=cfg.seed)
+    model, trainable = _apply_peft(cfg, model, jax.random.fold_in(root, 3))
+    step_model = _apply_rmm(cfg, model, trainable)
+    if cfg.task == "causal-lm":
+        inputs = "input_ids"
+        objective, objective_args = models.lm_objective, ()
+    else:
+        inputs = ("input_ids", "attention_mask") if "input_ids" in train_data else "image"
+        objective, objective_args = models.classification_objective, (inputs,)
+    init_params, loss_fn = objective(step_model, *objective_args, trainable=trainable)
+    loss_for_key = diagnostics = None
+    if cfg.rmm != "none":  # the loss of a step draws its sketches from that step's key
+        _, keyed = rmm.keyed_objective(objective, step_model, *objective_args, trainable=trainable)
+
+        def loss_for_key(noise_key):
+            return keyed(rmm_step_key(noise_key))
+
+        if cfg.rmm_diagnostics_every:
+            diagnostics = _diagnostics_fn(loss_fn)
+    _, apply_fn = models.logits_fn(step_model, trainable=trainable)
+    return Objective(model, trainable, inputs, init_params, loss_fn, loss_for_key, apply_fn, step_model, diagnostics)
+
+
 def rmm_step_key(noise_key: jax.Array) -> jax.Array:
     """The key of the RMM sketches of the step whose noise key is ``noise_key``: ``fold_in(noise_key,
     RMM_KEY_TAG)`` (layer ``j`` then uses ``fold_in(., j)``, :func:`dpzero_jax.rmm.fresh_keys`).
@@ -208,3 +270,107 @@ def _make_mesh(cfg: TrainConfig):
                          f"jax.config.update('jax_num_cpu_devices', {shape.size}) right after importing jax)")
     dcn = None if cfg.dcn_mesh is None else sharding.parse_mesh(cfg.dcn_mesh, "dcn_mesh")
     return sharding.make_mesh(shape, dcn=dcn)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A run's length, sampler and privacy plan (:func:`plan_run`).
+
+    ``steps``: the run's planned steps; ``sampler``: Poisson (capacity from the truncation budget), fixed-size or
+    shuffled epochs; ``slots``: a batch's static size (the sampler's capacity or the batch size, rounded up to a
+    multiple of the device count); ``noise_multiplier``: sigma (given or calibrated); ``planned_epsilon``: the
+    epsilon the run ends at (None without a formal guarantee); ``row_accountant``: the per-row epsilon's incremental
+    accountant (None without a formal guarantee); ``accounting_s``: seconds spent in privacy accounting here."""
+
+    steps: int
+    sampler: object
+    slots: int
+    noise_multiplier: float | None
+    planned_epsilon: float | None
+    row_accountant: RunningAccountant | None
+    accounting_s: float
+
+
+def plan_run(cfg: TrainConfig, n: int, n_devices: int) -> RunPlan:
+    """The :class:`RunPlan` of a run on ``n`` training examples over ``n_devices`` devices (the privacy arithmetic
+    itself is :mod:`dpzero_jax.accounting.run`). The shuffled sampler warns that it has no formal guarantee."""
+    sampling_rate = cfg.batch_size / n
+    sampler = None
+    if cfg.sampling == "shuffled":
+        sampler = ShuffledEpochs(n, cfg.batch_size)  # warns: no formal guarantee
+        default_steps = math.ceil(cfg.epochs * sampler.steps_per_epoch)
+    else:
+        default_steps = math.ceil(cfg.epochs / sampling_rate)
+    steps = cfg.steps if cfg.steps is not None else max(1, default_steps)
+    poisson = cfg.sampling == "poisson"
+    formal = run_privacy.formal_guarantee(cfg)
+    accounting_start = time.perf_counter()   # the run's privacy arithmetic: dpzero_jax.accounting.run
+    noise_multiplier = run_privacy.noise_multiplier(cfg, sampling_rate, steps, n)
+    # the epsilon the run will end at, known before training (None without a formal guarantee)
+    planned_epsilon = None if not formal else run_privacy.planned_epsilon(cfg, noise_multiplier, sampling_rate,
+                                                                           steps, n)
+    if poisson:
+        sampler = run_privacy.poisson_sampler(cfg, n, sampling_rate, steps, planned_epsilon, noise_multiplier,
+                                              n_devices)
+    elif cfg.sampling == "fixed-size":
+        sampler = FixedSizeSampler(n, cfg.batch_size)
+    slots = sampler.capacity if poisson else cfg.batch_size
+    slots = -(-slots // n_devices) * n_devices  # every device gets the same number of slots
+    if formal and poisson:
+        # the epsilon of record of the run as planned (dp_accounting from scratch at full resolution): composed
+        # now, so that its time and memory are spent before the first step rather than after the last; the
+        # ledger's own from-scratch call at the end finds it (accounting._EPSILONS). A calibrated sigma: free,
+        # calibration composed it.
+        accounting.epsilon_of_record(noise_multiplier, sampling_rate, steps, cfg.delta, cfg.accountant)
+        release_free_memory()   # the composition's arrays are freed: hand their pages back (glibc keeps them)
+    # per-row epsilon: composed incrementally at a resolution that keeps a row in milliseconds (running_accountant)
+    row_accountant = None if not formal else RunningAccountant(cfg.accountant, row_interval(planned_epsilon),
+                                                               block=cfg.log_every)
+    return RunPlan(steps, sampler, slots, noise_multiplier, planned_epsilon, row_accountant,
+                   time.perf_counter() - accounting_start)
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``; nothing elsewhere). After a large transient
+    allocation (a full-resolution PLD composition, ~100 MB at 20,000 steps), glibc otherwise keeps most of the
+    freed pages resident for the rest of the run."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc (musl)
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePlan:
+    """Adaptive clipping of a run (:func:`plan_adaptive_clipping`): the ``rule``, the clipping ``groups`` (``M``
+    names), the ``initial_thresholds [M]`` and the split of sigma between the gradient and the count."""
+
+    rule: adaptive_clipping.AdaptiveClipping
+    groups: list
+    initial_thresholds: object
+    gradient_noise_multiplier: float
+    count_noise_multiplier: float
+
+
+def plan_adaptive_clipping(cfg: TrainConfig, loss_fn, init_params, train_data: dict,
+                           noise_multiplier: float) -> AdaptivePlan | None:
+    """``clip_quantile``: the rule, the group names (the plan of ``loss_fn`` on one training example), the initial
+    thresholds ``[M]`` and the split of the run's ``noise_multiplier`` (:mod:`dpzero_jax.adaptive_clipping`); None
+    with fixed thresholds."""
+    if cfg.clip_quantile is None:
+        return None
+    example = {k: v[:1] for k, v in train_data.items()}
+    groups = make_plan(loss_fn, DPConfig(groups=cfg.groups), init_params, example,
+                       require_supported=False).group_names
+    rule = adaptive_clipping.AdaptiveClipping(
+        cfg.clip_quantile, count_noise_std=cfg.clip_count_noise or cfg.batch_size *
+        adaptive_clipping.DEFAULT_COUNT_NOISE_FRACTION, expected_batch_size=cfg.batch_size,
+        learning_rate=cfg.clip_lr)
+    count_noise_multiplier = rule.count_noise_multiplier(len(groups))
+    gradient_noise_multiplier = rule.gradient_noise_multiplier(noise_multiplier, len(groups))
+    return AdaptivePlan(rule, groups, clipping.thresholds(cfg.max_grad_norm, len(groups), None),
+                        gradient_noise_multiplier, count_noise_multiplier)

@@ -74,3 +74,62 @@ def test_rmm_linear(sketch):
     assert rules.stored_input(rules.RULES["rmm_linear"], params, x, spec).shape == (B, 3, D)
     per_example = {"kernel": np.einsum("btd,tk,sk,bsp->bdp", x, s, s, g), "bias": g.sum(1)}
     check(rules.RULES["rmm_linear"], params, x, g, spec, per_example)
+
+
+def test_every_rule_subclasses_the_base_and_the_defaults_are_the_input_and_its_vjp():
+    """The built-in rules are ``LayerRule``s; the default hooks keep ``x`` and give ``dL/dx`` as the VJP of
+    ``apply`` (written out here for a linear layer: ``g W^T``); only the RMM rule keeps a residual."""
+    assert set(rules.RULES) == {"linear", "embed", "norm", "rmm_linear"}
+    assert all(isinstance(rule, rules.LayerRule) for rule in rules.RULES.values())
+    assert {name for name, rule in rules.RULES.items() if rule.keeps_residual} == {"rmm_linear"}
+    linear = rules.RULES["linear"]
+    x = RNG.normal(size=(B, T, D)).astype(np.float32)
+    g = RNG.normal(size=(B, T, P)).astype(np.float32)
+    kernel = RNG.normal(size=(D, P)).astype(np.float32)
+    params = {"kernel": kernel, "bias": None}
+    assert rules.stored_input(linear, params, x, LinearSpec()) is x
+    np.testing.assert_allclose(rules.input_grad(linear, params, x, g, LinearSpec()), g @ kernel.T, rtol=1e-5,
+                               atol=1e-5)
+    ids = RNG.integers(0, V, size=(B, T)).astype(np.int32)
+    assert rules.input_grad(rules.RULES["embed"], {"table": np.zeros((V, D), np.float32)}, ids,
+                            RNG.normal(size=(B, T, D)).astype(np.float32), None) is None
+    assert rules.gather_dtype(rules.RULES["norm"], "scale", np.float32, np.float16) is None   # not cast in apply
+    assert rules.gather_dtype(linear, "kernel", np.float32, np.float16) == np.float16
+
+
+class _Scale(rules.LayerRule):
+    """``y = x * w`` (``w [d]``) with its per-example gradient instantiated."""
+
+    name = "scale"
+
+    def apply(self, params, x, spec):
+        return x * params["w"]
+
+    def per_example_grads(self, params, x, g, spec):
+        from dpzero_jax.pergrad import Direct
+
+        return {"w": Direct((x * g).reshape(x.shape[0], -1, x.shape[-1]).sum(1))}
+
+
+def test_the_registry_checks_the_contract():
+    class NoGrads(rules.LayerRule):
+        name = "no_grads"
+
+        def apply(self, params, x, spec):
+            return x
+
+    with pytest.raises(TypeError, match="per_example_grads"):
+        NoGrads()
+    with pytest.raises(TypeError, match="LayerRule subclass, got dict"):
+        rules.registry([{"name": "linear"}])
+    with pytest.raises(ValueError, match="two layer rules are named 'linear'"):
+        rules.registry([rules.RULES["linear"], type("Other", (_Scale,), {"name": "linear"})()])
+    with pytest.raises(ValueError, match="needs a non-empty string `name`"):
+        rules.registry([type("Nameless", (_Scale,), {"name": ""})()])
+    with pytest.raises(TypeError, match="`input_free` must be a frozenset"):
+        rules.registry([type("Listy", (_Scale,), {"input_free": ["w"]})()])
+    scale = _Scale()
+    assert rules.registry([scale]) == {"scale": scale} and not scale.keeps_residual
+    x = RNG.normal(size=(B, T, D)).astype(np.float32)
+    g = RNG.normal(size=(B, T, D)).astype(np.float32)
+    check(scale, {"w": np.ones(D, np.float32)}, x, g, None, {"w": np.sum(x * g, 1)})

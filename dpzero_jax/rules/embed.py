@@ -10,9 +10,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dpzero_jax.pergrad import Outer
+from dpzero_jax.rules.base import LayerRule
 
 
-class EmbedRule:
+class EmbedRule(LayerRule):
     name = "embed"
     input_free = frozenset()
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax.pergrad import Direct, Outer
+from dpzero_jax.rules.base import LayerRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ def _shapes(kernel_shape, spec: LinearSpec):
     return tuple(kernel_shape[:spec.n_in]), tuple(kernel_shape[spec.n_in:])
 
 
-class LinearRule:
+class LinearRule(LayerRule):
     name = "linear"
     input_free = frozenset({"bias"})
     used_in_input_dtype = frozenset({"kernel", "bias"})  # cast to x's dtype before use (see rules.gather_dtype)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax.pergrad import Direct
+from dpzero_jax.rules.base import LayerRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ def normalize(x, spec: NormSpec):
     return centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + spec.eps)
 
 
-class NormRule:
+class NormRule(LayerRule):
     name = "norm"
     input_free = frozenset({"bias"})
 

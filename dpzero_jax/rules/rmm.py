@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax.pergrad import Direct, Outer
+from dpzero_jax.rules.base import LayerRule
 from dpzero_jax.rules.linear import LINEAR, LinearSpec
 from dpzero_jax.sketch import RMMConfig, project
 
@@ -47,7 +48,7 @@ def positions_view(x: jax.Array, n_in: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, math.prod(x.shape[x.ndim - n_in:]))
 
 
-class RMMLinearRule:
+class RMMLinearRule(LayerRule):
     name = "rmm_linear"
     input_free = frozenset({"bias"})
 
