@@ -79,7 +79,8 @@ class ModelOptions(OptionGroup):
 
     GROUP = "model"
 
-    model: str = option("mlp", Check(f"one of {MODELS} or 'hf:PATH'", _accept_model),
+    model: str = option("mlp", Check(f"one of {MODELS} or 'hf:PATH'", _accept_model,
+                                             flag_expected="mlp, vit, cnn or hf:PATH"),
                         "mlp, vit, cnn, or hf:PATH (a Hugging Face save_pretrained directory: GPT-2, Llama, Mistral, "
                         "Qwen2, Gemma 1 / 2, BERT, RoBERTa, ViT)")
     task: str = option("classification", choice(TASKS),
