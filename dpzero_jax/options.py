@@ -88,6 +88,11 @@ def _integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _same_kind(a, b) -> bool:
+    """Both strings, or both numbers and neither a bool (``True == 1``, but ``True`` is no ZeRO stage)."""
+    return all(isinstance(a, t) == isinstance(b, t) for t in (str, bool, numbers.Number))
+
+
 def _parse_float(text: str) -> float:
     return float(text)
 
@@ -96,7 +101,7 @@ def choice(values: tuple | Callable[[], tuple], parse: Callable[[str], Any] = _n
     """One of ``values`` (a tuple, or a function returning it)."""
     def accept(v, name):
         options = values() if callable(values) else values
-        return v if any(type(v) is type(o) and v == o for o in options) else INVALID
+        return v if any(_same_kind(v, o) and v == o for o in options) else INVALID
     return Check("one of {choices}", accept, parse, values)
 
 

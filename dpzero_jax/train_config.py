@@ -277,6 +277,7 @@ class TrainConfig(*reversed(GROUPS)):   # reversed: dataclass fields come from t
     of the rematerialised backward.
     """
 
+    GROUP = "TrainConfig"
     model_options = _GroupView(ModelOptions)
     text_options = _GroupView(TextOptions)
     training_options = _GroupView(TrainingOptions)
