@@ -228,9 +228,11 @@ def _train_values(options: dict) -> tuple[dict, bool | str]:
     values = _load_config_file(config_file) if config_file is not None else {}
     values = {str(k).replace("-", "_"): v for k, v in values.items()}
     # the file on its own must be consistent (noise_multiplier / epsilon / no_dp exclusive, real booleans) ...
+    from dpzero_jax.train_config import BOOL_OPTIONS
     from dpzero_jax.validation import check_privacy_options
 
-    check_privacy_options(values, f"--config {config_file}" if config_file is not None else "TrainConfig")
+    check_privacy_options(values, f"--config {config_file}" if config_file is not None else "TrainConfig",
+                          BOOL_OPTIONS)
     # ... and a privacy flag on the command line replaces the file's privacy choice
     for flag in ("epsilon", "noise_multiplier", "no_dp"):
         if flag in options:

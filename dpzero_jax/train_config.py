@@ -336,12 +336,14 @@ class TrainConfig(*reversed(GROUPS)):   # reversed: dataclass fields come from t
             if name not in names:
                 raise ValueError(f"unknown training option {key!r}")
             clean[name] = value
-        validation.check_privacy_options(clean)
+        validation.check_privacy_options(clean, bool_fields=BOOL_OPTIONS)
         return cls(**clean)
 
 
 # options with no `dpzero train` flag (Python / --config only)
 PYTHON_ONLY = tuple(f.name for f in dataclasses.fields(TrainConfig) if not option_of(f).cli)
+# the boolean options (a string such as "false" is refused, naming the --config file: validation.check_bool)
+BOOL_OPTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig) if isinstance(f.default, bool))
 
 
 def _hf_path(cfg: TrainConfig) -> str | None:
