@@ -200,10 +200,11 @@ def check_fields(cls, obj, owner: str, where: str = "") -> None:
 
 class OptionGroup:
     """Base of the option groups (frozen dataclasses of :func:`option` fields). ``GROUP``: the group's name, as in
-    errors and in ``dpzero train --help``. A subclass may define ``_check_group(self, owner)`` for rules between
-    its own fields (errors ``OWNER.NAME ...``)."""
+    errors and in ``dpzero train --help`` (``HELP``: a line under it there). A subclass may define
+    ``_check_group(self, owner)`` for rules between its own fields (errors ``OWNER.NAME ...``)."""
 
     GROUP: ClassVar[str] = ""
+    HELP: ClassVar[str | None] = None   # a line under the group's title in ``--help``
 
     def __post_init__(self):
         type(self).validate(self, type(self).__name__)
@@ -266,7 +267,7 @@ def add_flags(parser, cls, exclusive: dict | None = None) -> None:
     :class:`Check`. Fields sharing an ``exclusive`` tag go into one mutually exclusive group (``exclusive``: tag ->
     group, shared between calls). The help ends with the default unless it is None or the help mentions one."""
     exclusive = {} if exclusive is None else exclusive
-    section = parser.add_argument_group(cls.GROUP)
+    section = parser.add_argument_group(cls.GROUP, cls.HELP)
     for field in dataclasses.fields(cls):
         spec = option_of(field)
         if spec is None or not spec.cli:

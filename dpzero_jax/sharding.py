@@ -175,7 +175,8 @@ class DistributedOptions(OptionGroup):
     ``distributed=True`` alone lets ``jax.distributed.initialize`` detect SLURM, Open MPI or a TPU pod; a
     ``coordinator`` ``"HOST:PORT"`` with ``num_processes`` and ``process_id`` sets them explicitly."""
 
-    GROUP = "multi-host (every process runs the same command)"
+    GROUP = "multi-host"
+    HELP = "every process runs the same command"
 
     distributed: bool = option(False, boolean(),
                                "initialise jax.distributed, detecting SLURM / Open MPI / TPU pod settings")

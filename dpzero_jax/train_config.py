@@ -115,7 +115,8 @@ class ModelOptions(OptionGroup):
 class TextOptions(OptionGroup):
     """Text data for ``model='hf:PATH'`` models."""
 
-    GROUP = "text (hf:PATH models)"
+    GROUP = "text"
+    HELP = "the data of hf:PATH text models"
 
     data: str | None = option(None, nonempty("a path").or_none(),
                               "text data for hf:PATH models: a .txt (causal-lm: one corpus cut into max-length "
