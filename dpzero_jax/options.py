@@ -122,9 +122,9 @@ def number(low: float = 0.0, *, low_open: bool = True, high: float | None = None
     return Check(expected, accept, _parse_float)
 
 
-def integer(low: int = 0) -> Check:
+def integer(low: int = 0, expected: str | None = None) -> Check:
     """An integer (not a bool) ``>= low``."""
-    return Check(f"an integer >= {low}", lambda v, name: v if _integer(v) and v >= low else INVALID, int)
+    return Check(expected or f"an integer >= {low}", lambda v, name: v if _integer(v) and v >= low else INVALID, int)
 
 
 def boolean() -> Check:

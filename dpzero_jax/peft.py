@@ -50,7 +50,7 @@ from dpzero_jax.options import OptionGroup, choice, integer, number, option, pat
 
 METHODS = ("full", "lora", "bitfit", "linear-probe")
 PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")   # a training run's ``peft`` option ("none": "full")
-LORA_RANK = integer(1)   # add_lora's rank and PeftOptions.lora_rank
+LORA_RANK = integer(1, "a positive int")   # add_lora's rank and PeftOptions.lora_rank
 LORA_ALPHA = number()
 DEFAULT_HEAD = "head|lm_head"
 DENSE_TYPES = (nn.Linear, nn.DenseGeneral, nnx.Linear)
