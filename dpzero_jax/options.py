@@ -39,7 +39,8 @@ class Check:
     expected: what the option takes, as in ``"... must be {expected}, got {value}"``.
     accept: ``(value, name) -> value`` (normalised: a list becomes a tuple, ...); returns :data:`INVALID` for the
         generic message or raises ``ValueError`` with its own (which names ``name``).
-    parse: a flag's text -> value (the check runs after it); raises ``ValueError`` if the text is not of the type.
+    parse: a flag's text -> value (the check runs after it, unless ``at_flag`` is False); raises ``ValueError`` if
+        the text is not of the type.
     choices: the accepted values (a tuple, or a function returning one: resolved when used, so a choice list from
         a heavy module is imported only then); a flag shows them as ``{a,b}``.
     """
@@ -49,6 +50,7 @@ class Check:
     parse: Callable[[str], Any] = _no_parse
     choices: tuple | Callable[[], tuple] | None = None
     flag_expected: str | None = None   # what the flag's text takes, if not ``expected`` (``uniform:K``, ...)
+    at_flag: bool = True   # False: a flag passes its text on unchecked (free text: the run's config checks it)
 
     def __call__(self, value, name: str = "value"):
         """``value``, normalised, if the option accepts it; else ``ValueError`` naming ``name``."""
@@ -134,8 +136,9 @@ def boolean() -> Check:
 
 
 def text(expected: str = "a non-empty string") -> Check:
-    """A non-empty (not blank) string."""
-    return Check(expected, lambda v, name: v if isinstance(v, str) and v.strip() else INVALID)
+    """A non-empty (not blank) string; a flag passes it on as typed (``dpzero train`` then reports the
+    configuration's error, exit status 2)."""
+    return Check(expected, lambda v, name: v if isinstance(v, str) and v.strip() else INVALID, at_flag=False)
 
 
 def _parse_patterns(text: str) -> tuple[str, ...]:
@@ -282,7 +285,8 @@ def add_flags(parser, cls, exclusive: dict | None = None) -> None:
         if isinstance(field.default, bool):
             kwargs["action"] = "store_false" if field.default else "store_true"
         else:
-            kwargs["type"] = _flag_type(spec.check, flag)
+            if spec.check.at_flag:
+                kwargs["type"] = _flag_type(spec.check, flag)
             if spec.check.choices is not None:
                 kwargs["choices"] = spec.check.values
             if spec.metavar:

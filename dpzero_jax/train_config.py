@@ -70,7 +70,7 @@ def _accept_location(value, name):
     return value
 
 
-LOCATION = Check("a non-empty directory path", _accept_location)
+LOCATION = Check("a non-empty directory path", _accept_location, at_flag=False)
 
 
 @dataclasses.dataclass(frozen=True)
