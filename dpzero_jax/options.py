@@ -4,7 +4,8 @@ A group is a frozen dataclass deriving from :class:`OptionGroup` whose fields ar
 field's :class:`Check` is the one place the option's values are validated: the group's ``__post_init__`` runs it
 (and the group's own cross-field rules, ``_check_group``), :class:`~dpzero_jax.train_config.TrainConfig` (which
 inherits every group) runs it once for each of its fields, and the ``dpzero train`` flag built from the field
-(:func:`add_flags`) parses its text and runs the same check. A runtime configuration that takes the same value
+(:func:`add_flags`) parses its text and runs the same check (free text -- paths, field names -- is passed on as
+typed, and the configuration's check reports it). A runtime configuration that takes the same value
 (:class:`~dpzero_jax.config.DPConfig`'s ``max_grad_norm``, :class:`~dpzero_jax.sketch.RMMConfig`'s ``rate``) calls
 the same :class:`Check` object.
 
