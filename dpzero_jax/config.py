@@ -1,21 +1,82 @@
-"""The frozen, validated configuration of the private gradient."""
+"""The frozen, validated configuration of the private gradient (:class:`DPConfig`), and the training run's
+privacy and clipping options (:class:`PrivacyOptions`, :class:`ClippingOptions`: groups of
+:class:`~dpzero_jax.train_config.TrainConfig`). The checks of the options both take (``max_grad_norm``, ``clip_fn``,
+``groups``, ``mode``, ``norm_kernel``, the micro-batch size, the noise multiplier) are defined once here and used by
+both (:mod:`dpzero_jax.options`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
+import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from dpzero_jax.clipping import CLIP_FUNCTIONS, validate_groups
+from dpzero_jax import validation
+from dpzero_jax.clipping import CLIP_FUNCTIONS, GROUP_PRESETS, validate_groups
 from dpzero_jax.noise import NOISE_RNGS
+from dpzero_jax.options import (
+    INVALID,
+    Check,
+    OptionGroup,
+    boolean,
+    check_fields,
+    choice,
+    group_default,
+    integer,
+    number,
+    option,
+)
 from dpzero_jax.pergrad import NORM_METHODS
 from dpzero_jax_kernels.ghost_norm import NORM_KERNELS
 
 MODES = ("auto", "bk", "ghost", "fused", "vmap")
 FRONT_ENDS = ("auto", "layers", "program")
 TARGETS = ("cpu", "gpu", "tpu")
+SAMPLINGS = ("poisson", "fixed-size", "shuffled")
+EPSILON_DEFAULT = 3.0
+
+
+def _accountants() -> tuple[str, ...]:   # dp-accounting is imported only when an accountant is checked
+    return importlib.import_module("dpzero_jax.accounting").ACCOUNTANTS
+
+
+def _accept_groups(value, name):
+    if isinstance(value, list):
+        raise ValueError(f"{name}: use a tuple ('uniform', k), not a list")
+    try:
+        validate_groups(value)
+    except ValueError:
+        return INVALID
+    return value
+
+
+def _parse_groups(text: str):
+    """A flag's ``all-layer`` / ``layer-wise`` / ``param-wise`` / ``uniform:K``."""
+    if text in GROUP_PRESETS:
+        return text
+    kind, sep, k = text.partition(":")
+    if kind != "uniform" or not sep:
+        raise ValueError(text)
+    return ("uniform", int(k))
+
+
+# the checks DPConfig and the training options share
+NOISE_MULTIPLIER = number(0.0, low_open=False)
+MAX_GRAD_NORM = number()
+CLIP_FN = choice(CLIP_FUNCTIONS)
+GROUPS = Check(f"one of {GROUP_PRESETS}, ('uniform', k) with an integer k >= 1, a mapping {{path: group}} or a "
+               "callable", _accept_groups, _parse_groups,
+               flag_expected="all-layer, layer-wise, param-wise or uniform:K (K an integer >= 1)")
+MODE = choice(MODES)
+NORM_KERNEL = choice(NORM_KERNELS)
+MICROBATCH_SIZE = integer(1).or_none()
+
+
+def _accept_thresholds(values, name):
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or \
+            any(MAX_GRAD_NORM.accept(r, name) is INVALID for r in values):
+        return INVALID
+    return tuple(float(r) for r in values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,63 +117,104 @@ class DPConfig:
         it when compiling ahead of time for another backend (a TPU program compiled on a CPU host).
     """
 
-    noise_multiplier: float = 1.0
-    max_grad_norm: float = 1.0
-    clip_fn: str = "abadi"
-    groups: Any = "all-layer"
-    mode: str = "auto"
-    norm_method: str = "auto"
-    norm_kernel: str = "auto"
-    expected_batch_size: float | None = None
-    microbatch_size: int | None = None
-    gamma: float = 0.01
-    noise_rng: str = "blocked"
-    group_thresholds: Sequence[float] | None = None
-    front_end: str = "auto"
-    target: str | None = None
+    noise_multiplier: float = option(1.0, NOISE_MULTIPLIER)
+    max_grad_norm: float = option(1.0, MAX_GRAD_NORM)
+    clip_fn: str = option("abadi", CLIP_FN)
+    groups: Any = option("all-layer", GROUPS)
+    mode: str = option("auto", MODE)
+    norm_method: str = option("auto", choice(("auto", *NORM_METHODS)))
+    norm_kernel: str = option("auto", NORM_KERNEL)
+    expected_batch_size: float | None = option(None, number().or_none())
+    microbatch_size: int | None = option(None, MICROBATCH_SIZE)
+    gamma: float = option(0.01, number())
+    noise_rng: str = option("blocked", choice(NOISE_RNGS))
+    group_thresholds: Sequence[float] | None = option(None, Check("a sequence of positive numbers",
+                                                                   _accept_thresholds).or_none())
+    front_end: str = option("auto", choice(FRONT_ENDS))
+    target: str | None = option(None, choice(TARGETS).or_none("None (jax.default_backend()) or one of {choices}"))
 
     def __post_init__(self):
-        def positive_number(name, value, allow_zero=False):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"DPConfig.{name} must be a finite number, got {value!r}")
-            if value < 0 or (value == 0 and not allow_zero):
-                raise ValueError(f"DPConfig.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-        positive_number("noise_multiplier", self.noise_multiplier, allow_zero=True)
-        positive_number("max_grad_norm", self.max_grad_norm)
-        positive_number("gamma", self.gamma)
-        if self.clip_fn not in CLIP_FUNCTIONS:
-            raise ValueError(f"DPConfig.clip_fn={self.clip_fn!r}: expected one of {CLIP_FUNCTIONS}")
-        if self.mode not in MODES:
-            raise ValueError(f"DPConfig.mode={self.mode!r}: expected one of {MODES}")
-        if self.front_end not in FRONT_ENDS:
-            raise ValueError(f"DPConfig.front_end={self.front_end!r}: expected one of {FRONT_ENDS}")
-        if self.norm_method not in ("auto", *NORM_METHODS):
-            raise ValueError(f"DPConfig.norm_method={self.norm_method!r}: expected one of {('auto', *NORM_METHODS)}")
-        if self.target is not None and self.target not in TARGETS:
-            raise ValueError(f"DPConfig.target={self.target!r}: expected None (jax.default_backend()) or one of "
-                             f"{TARGETS}")
-        if self.noise_rng not in NOISE_RNGS:
-            raise ValueError(f"DPConfig.noise_rng={self.noise_rng!r}: expected one of {NOISE_RNGS}")
-        if self.norm_kernel not in NORM_KERNELS:
-            raise ValueError(f"DPConfig.norm_kernel={self.norm_kernel!r}: expected one of {NORM_KERNELS} "
-                             "('pallas' runs the tiled Pallas kernels of dpzero_jax_kernels.ghost_norm)")
-        validate_groups(self.groups)
-        if self.expected_batch_size is not None:
-            positive_number("expected_batch_size", self.expected_batch_size)
-        if self.microbatch_size is not None and (isinstance(self.microbatch_size, bool) or
-                                                 not isinstance(self.microbatch_size, numbers.Integral) or
-                                                 self.microbatch_size < 1):
-            raise ValueError(f"DPConfig.microbatch_size must be a positive int or None, got {self.microbatch_size!r}")
-        if self.group_thresholds is not None:
-            values = self.group_thresholds
-            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
-                    isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r) and r > 0
-                    for r in values):
-                raise ValueError(f"DPConfig.group_thresholds must be a sequence of positive numbers, got {values!r}")
-            object.__setattr__(self, "group_thresholds", tuple(float(r) for r in values))
-        if isinstance(self.groups, list):
-            raise ValueError("DPConfig.groups: use a tuple ('uniform', k), not a list")
+        check_fields(DPConfig, self, "DPConfig")
 
     def replace(self, **changes) -> DPConfig:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyOptions(OptionGroup):
+    """A training run's privacy budget and how it is accounted (a group of ``TrainConfig``).
+
+    ``noise_multiplier`` if set (then ``epsilon`` is only reported, not targeted), else sigma is calibrated so that
+    the planned steps reach ``epsilon`` at ``delta``; ``no_dp`` trains without clipping or noise. The two and
+    ``no_dp`` are exclusive, and zero noise is refused (:mod:`dpzero_jax.validation`). ``sampling``: ``"poisson"``
+    (add/remove adjacency, PLD or RDP), ``"fixed-size"`` (replace-one adjacency, ``accountant="rdp"`` required) or
+    ``"shuffled"`` (no formal guarantee). ``delta > 1/n`` needs ``allow_large_delta``.
+    """
+
+    GROUP = "privacy"
+
+    epsilon: float = option(EPSILON_DEFAULT, number(), "target epsilon (sigma calibrated)", exclusive="privacy")
+    noise_multiplier: float | None = option(None, NOISE_MULTIPLIER.or_none(),
+                                            "sigma, the noise multiplier (epsilon is then reported, not targeted)",
+                                            exclusive="privacy")
+    no_dp: bool = option(False, boolean(),
+                         "non-private baseline (same sampling and steps)", exclusive="privacy")
+    delta: float = option(1e-5, number(high=1.0, high_open=True))
+    accountant: str = option("pld", choice(_accountants))
+    sampling: str = option("poisson", choice(SAMPLINGS),
+                           "poisson (default), fixed-size (needs --accountant rdp) or shuffled (no formal guarantee)")
+    allow_large_delta: bool = option(False, boolean(),
+                                     "accept delta above 1/n (n training examples); recorded in the summary")
+
+    def _check_group(self, owner: str) -> None:
+        validation.check_noise(self.noise_multiplier)
+        if self.noise_multiplier is not None and self.epsilon != group_default(PrivacyOptions, "epsilon"):
+            validation.check_privacy_options({"noise_multiplier": self.noise_multiplier, "epsilon": self.epsilon},
+                                             owner)
+        if self.no_dp and self.noise_multiplier is not None:
+            validation.check_privacy_options({"no_dp": True, "noise_multiplier": self.noise_multiplier}, owner)
+        if self.sampling == "fixed-size" and self.accountant != "rdp" and not self.no_dp:
+            raise ValueError(f"{owner}.accountant must be 'rdp' with sampling='fixed-size': the PLD accountant does "
+                             "not support sampling without replacement")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippingOptions(OptionGroup):
+    """How a training run clips (a group of ``TrainConfig``): the fields of :class:`DPConfig` it sets, with the same
+    checks, and adaptive clipping (:mod:`dpzero_jax.adaptive_clipping`): with ``clip_quantile`` each group's
+    threshold, starting at ``max_grad_norm / sqrt(M)``, follows that quantile of its per-example norms by the
+    geometric update with rate ``clip_lr`` from a count of unclipped examples noised with std ``clip_count_noise``
+    (None: ``batch_size / 20``), paid from sigma. :meth:`dp_config` is the runtime :class:`DPConfig`."""
+
+    GROUP = "clipping"
+
+    # 0.3: the trainer's default, part of the digits recipe (experiments/digits_recipe.py); DPConfig's is 1.0
+    max_grad_norm: float = option(0.3, MAX_GRAD_NORM,
+                                  "clipping threshold R (the initial one with --clip-quantile)")
+    clip_fn: str = option("abadi", CLIP_FN)
+    groups: Any = option("all-layer", GROUPS.after(lambda v: tuple(v) if isinstance(v, list) else v),
+                         "all-layer, layer-wise, param-wise or uniform:K")
+    clip_quantile: float | None = option(
+        None, number(high=1.0, high_open=True).or_none("a number in (0, 1) or None (fixed thresholds)"),
+        "adaptive clipping (Andrew et al. 2021): every step each group's threshold moves toward this quantile of its "
+        "per-example gradient norms, from a noised count of unclipped examples; --max-grad-norm is then the initial "
+        "threshold (default: fixed thresholds). The count's noise is paid from the same privacy budget (same "
+        "epsilon; the gradient's noise multiplier grows slightly: docs/privacy.md)")
+    clip_lr: float = option(0.2, number(),
+                            "adaptive clipping's learning rate eta: C <- C * exp(-eta (unclipped fraction - quantile))")
+    clip_count_noise: float | None = option(
+        None, number().or_none("a finite number > 0 or None (expected batch size / 20)"),
+        "adaptive clipping: std sigma_b of the noise on each group's count of unclipped examples (default: expected "
+        "batch size / 20, as in the paper); must exceed sigma * sqrt(groups) / 2")
+    mode: str = option("auto", MODE)
+    norm_kernel: str = option("auto", NORM_KERNEL,
+                              "per-example norms with XLA einsums or the tiled Pallas kernels (auto: xla for now)")
+    micro_batch_size: int | None = option(None, MICROBATCH_SIZE,
+                                          "physical chunk size (gradient accumulation; noise once per logical batch)")
+
+    def dp_config(self, noise_multiplier: float, **more) -> DPConfig:
+        """The runtime :class:`DPConfig` of these options with ``noise_multiplier`` (``more``: its other fields,
+        e.g. ``expected_batch_size``, ``noise_rng``)."""
+        return DPConfig(noise_multiplier=noise_multiplier, max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn,
+                        groups=self.groups, mode=self.mode, norm_kernel=self.norm_kernel,
+                        microbatch_size=self.micro_batch_size, **more)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import re
 from collections.abc import Sequence
 
@@ -47,8 +46,12 @@ from flax import nnx
 
 from dpzero_jax import nn
 from dpzero_jax.models import llama, transformer
+from dpzero_jax.options import OptionGroup, choice, integer, number, option, patterns
 
 METHODS = ("full", "lora", "bitfit", "linear-probe")
+PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")   # a training run's ``peft`` option ("none": "full")
+LORA_RANK = integer(1, "a positive int")   # add_lora's rank and PeftOptions.lora_rank
+LORA_ALPHA = number()
 DEFAULT_HEAD = "head|lm_head"
 DENSE_TYPES = (nn.Linear, nn.DenseGeneral, nnx.Linear)
 
@@ -170,10 +173,8 @@ def _replace(model, path: Path, new) -> None:
 
 
 def _check_lora_options(rank, alpha, key):
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
-        raise ValueError(f"peft: LoRA rank must be a positive int, got {rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"peft: LoRA alpha must be a finite number > 0, got {alpha!r}")
+    LORA_RANK(rank, "peft: LoRA rank")
+    LORA_ALPHA(alpha, "peft: LoRA alpha")
     if key is None:
         raise ValueError("peft: LoRA needs key= (the PRNG key that initialises the adapters' A matrices)")
 
@@ -235,6 +236,31 @@ def apply(model: nnx.Module, method: str | None, *, rank: int = 8, alpha: float 
     if extra:
         selected = selected + _select(_params(model), extra, "also_train", "parameter")
     return model, Trainable(frozenset(selected))
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftOptions(OptionGroup):
+    """A training run's parameter-efficient fine-tuning (a group of ``TrainConfig``): ``peft`` is ``"none"`` (every
+    parameter trains), ``"lora"``, ``"bitfit"`` or ``"linear-probe"`` (:func:`apply`); ``lora_rank`` /
+    ``lora_alpha`` (the checks of :func:`add_lora`) / ``lora_targets`` (path patterns; None: every dense layer but
+    the head); ``peft_also_train``: patterns trained in full besides the method's (None: ``("head",)`` for LoRA and
+    BiTFiT on a classifier, whose head is new; ``()``: nothing more)."""
+
+    GROUP = "peft"
+
+    peft: str = option("none", choice(PEFT_METHODS),
+                       "parameter-efficient fine-tuning: which parameters train (default none: all)")
+    lora_rank: int = option(8, LORA_RANK, "LoRA rank (default 8)")
+    lora_alpha: float = option(16.0, LORA_ALPHA, "LoRA alpha (default 16)")
+    lora_targets: tuple[str, ...] | None = option(
+        None, patterns().or_none(), "comma-separated path patterns of the dense layers that get adapters")
+    peft_also_train: tuple[str, ...] | None = option(
+        None, patterns().or_none(), "comma-separated patterns trained in full besides the PEFT method's (default: "
+        "head for lora/bitfit); 'none' for nothing")
+
+    def _check_group(self, owner: str) -> None:
+        if self.lora_targets is not None and self.peft != "lora":
+            raise ValueError(f"{owner}.lora_targets applies to peft='lora' only, not peft={self.peft!r}")
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:

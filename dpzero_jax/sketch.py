@@ -32,12 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax import noise
+from dpzero_jax.options import OptionGroup, choice, integer, number, option
 
 Array = jax.Array
 
 SKETCHES = ("gaussian", "rademacher", "dct", "dft")
 ORTHOGONAL_SKETCHES = ("dct", "dft")
 PROJECTIONS = ("rows", "tokens")
+RMM_CHOICES = ("none",) + SKETCHES   # a training run's ``rmm`` option (:class:`RMMOptions`)
+RATE = number(high=1.0, expected="a compression rate in (0, 1]")   # RMMConfig.rate and RMMOptions.rmm_rate
 SKETCH_BLOCK = 1 << 18   # entries of S drawn at once (part of the definition of S for a given key)
 TRANSFORM_PIECE = 1 << 16   # entries of x transformed at once by the orthogonal sketches (memory only)
 
@@ -71,9 +74,7 @@ class RMMConfig:
             raise ValueError("RMMConfig needs exactly one of rate (the compression rate rho in (0, 1]) and size "
                              f"(a fixed B_proj); got rate={self.rate!r}, size={self.size!r}")
         if self.rate is not None:
-            if (isinstance(self.rate, bool) or not isinstance(self.rate, numbers.Real) or not math.isfinite(self.rate)
-                    or not 0 < self.rate <= 1):
-                raise ValueError(f"RMMConfig.rate must be a compression rate in (0, 1], got {self.rate!r}")
+            RATE(self.rate, "RMMConfig.rate")
         for name in ("size", "min_size", "max_size"):
             value = getattr(self, name)
             if value is None:
@@ -97,6 +98,31 @@ class RMMConfig:
 
 
 jax.tree_util.register_static(RMMConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class RMMOptions(OptionGroup):
+    """A training run's randomized-matmul layers (a group of ``TrainConfig``; paper 002): ``rmm`` is ``"none"`` or
+    a sketch of :data:`SKETCHES` with which every dense layer with a trainable kernel, except the head, becomes an
+    RMM layer keeping ``rmm_rate`` (:class:`RMMConfig`'s ``rate``, the same check) of its input for the backward
+    pass; ``rmm_diagnostics_every``: paper 002's D2_SGD, D2_RMM and alpha every that many steps (0: never)."""
+
+    GROUP = "rmm"
+
+    rmm: str = option("none", choice(RMM_CHOICES),
+                      "randomized-matmul dense layers (paper 002; every dense layer with a trainable kernel except "
+                      "the head): the sketch; dft is the discrete Hartley transform (the real orthogonal transform "
+                      "computed by an FFT), dct the DCT-II; default none")
+    rmm_rate: float = option(1.0, RATE,
+                             "RMM compression rate rho in (0, 1]: the fraction of each layer input kept for the "
+                             "backward pass (per example its tokens under DP; the batch's rows with --no-dp)")
+    rmm_diagnostics_every: int = option(0, integer(0),
+                                        "log D2_SGD, D2_RMM and alpha of each RMM layer every N steps (0: never)")
+
+    def _check_group(self, owner: str) -> None:
+        if self.rmm == "none" and (self.rmm_rate != 1.0 or self.rmm_diagnostics_every):
+            name = "rmm_rate" if self.rmm_rate != 1.0 else "rmm_diagnostics_every"
+            raise ValueError(f"{owner}.{name} applies to RMM layers only; set rmm to one of {RMM_CHOICES[1:]}")
 
 
 def as_key(key) -> Array:

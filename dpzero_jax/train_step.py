@@ -135,10 +135,7 @@ def build_step(cfg: TrainConfig, tx: optax.GradientTransformation, *, loss_fn, a
             (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
             return losses, grads
     else:
-        dp_cfg = DPConfig(noise_multiplier=noise_multiplier, max_grad_norm=cfg.max_grad_norm,
-                          clip_fn=cfg.clip_fn, groups=cfg.groups, mode=cfg.mode,
-                          expected_batch_size=cfg.batch_size, microbatch_size=cfg.micro_batch_size,
-                          norm_kernel=cfg.norm_kernel, noise_rng="partitionable")
+        dp_cfg = cfg.dp_config(noise_multiplier, expected_batch_size=cfg.batch_size, noise_rng="partitionable")
 
         hook = None if canaries is None else canaries.insert
 

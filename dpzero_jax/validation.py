@@ -3,9 +3,10 @@
 The rules that keep a configuration from silently weakening privacy live here, so that a flag, a key of a JSON /
 YAML ``--config`` file and a keyword of ``TrainConfig`` meet the same check:
 
-* boolean options (:data:`BOOL_FIELDS`) take only real booleans -- JSON ``true`` / ``false``, YAML ``true`` /
-  ``false`` (YAML 1.1 also reads ``yes`` / ``no`` / ``on`` / ``off`` unquoted as booleans). A *string* such as
-  ``"false"`` or ``"no"`` is an error, never "true because it is non-empty".
+* boolean options (:data:`dpzero_jax.train_config.BOOL_OPTIONS`; :data:`BOOL_FIELDS` without a list) take only
+  real booleans -- JSON ``true`` / ``false``, YAML ``true`` / ``false`` (YAML 1.1 also reads ``yes`` / ``no`` /
+  ``on`` / ``off`` unquoted as booleans). A *string* such as ``"false"`` or ``"no"`` is an error, never "true
+  because it is non-empty".
 * ``noise_multiplier`` and ``epsilon`` are exclusive (a file may set one of them), and neither goes with
   ``no_dp: true``.
 * ``noise_multiplier: 0`` (no noise, epsilon infinite) is refused: ``no_dp`` is the explicit non-private switch.
@@ -54,9 +55,10 @@ def check_bool(owner: str, name: str, value) -> None:
                          f"accepted), got {short_repr(value)}")
 
 
-def check_privacy_options(values: dict, source: str = "TrainConfig") -> None:
-    """The exclusive privacy options in a mapping of explicitly given options (a config file, ``from_dict``)."""
-    for name in BOOL_FIELDS:
+def check_privacy_options(values: dict, source: str = "TrainConfig", bool_fields=BOOL_FIELDS) -> None:
+    """The exclusive privacy options in a mapping of explicitly given options (a config file, ``from_dict``), and
+    real booleans for ``bool_fields`` (``TrainConfig``'s: :data:`dpzero_jax.train_config.BOOL_OPTIONS`)."""
+    for name in bool_fields:
         if name in values:
             check_bool(source, name, values[name])
     sigma_given = values.get("noise_multiplier") is not None

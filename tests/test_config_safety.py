@@ -16,14 +16,15 @@ def _train(argv, capsys):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, suffix", [('{"no_dp": "false", "steps": 2}', ".json"),
-                                          ('no_dp: "no"\nsteps: 2\n', ".yaml"),
-                                          ('{"no_dp": 0, "steps": 2}', ".json")])
-def test_string_boolean_in_a_config_file_is_refused(tmp_path, capsys, text, suffix):
+@pytest.mark.parametrize("text, suffix, name", [('{"no_dp": "false", "steps": 2}', ".json", "no_dp"),
+                                                ('no_dp: "no"\nsteps: 2\n', ".yaml", "no_dp"),
+                                                ('{"no_dp": 0, "steps": 2}', ".json", "no_dp"),
+                                                ('{"tensorboard": "false", "steps": 2}', ".json", "tensorboard")])
+def test_string_boolean_in_a_config_file_is_refused(tmp_path, capsys, text, suffix, name):
     config = tmp_path / f"run{suffix}"
     config.write_text(text)
     code, err = _train(["--config", str(config), "--out", str(tmp_path / "out")], capsys)
-    assert code == 2 and "no_dp must be true or false" in err
+    assert code == 2 and f"--config {config}: {name} must be true or false" in err   # the file is named
     assert not (tmp_path / "out").exists()
 
 

@@ -202,7 +202,7 @@ def test_bad_hf_options_get_clear_errors(tmp_path, capsys):
         TrainConfig(model="hf:x", task="translation")
     with pytest.raises(ValueError, match="scan_layers applies to decoders"):
         TrainConfig(scan_layers=True)
-    with pytest.raises(ValueError, match="scan_layers must be a bool"):
+    with pytest.raises(ValueError, match="scan_layers must be true or false"):
         TrainConfig(model="hf:x", task="causal-lm", scan_layers="yes")
     assert main(["train", "--model", f"hf:{tmp_path / 'none'}", "--task", "causal-lm", *FAST]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
