@@ -1,7 +1,7 @@
 """The training run's configuration: :class:`TrainConfig` (every option of ``dpzero train``) composed of option
 groups defined next to what they configure -- :class:`~dpzero_jax.config.PrivacyOptions` and
-:class:`~dpzero_jax.config.ClippingOptions` (next to ``DPConfig``), :class:`~dpzero_jax.sharding.MeshOptions` and
-:class:`~dpzero_jax.sharding.DistributedOptions`, :class:`~dpzero_jax.peft.PeftOptions`,
+:class:`~dpzero_jax.config.ClippingOptions` (next to ``DPConfig``), :class:`~dpzero_jax.mesh_options.MeshOptions` and
+:class:`~dpzero_jax.mesh_options.DistributedOptions`, :class:`~dpzero_jax.peft.PeftOptions`,
 :class:`~dpzero_jax.sketch.RMMOptions` -- and here (:class:`ModelOptions`, :class:`TextOptions`,
 :class:`TrainingOptions`, :class:`OutputOptions`); and the choices its options take."""
 
