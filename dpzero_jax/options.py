@@ -11,7 +11,7 @@ the same :class:`Check` object.
 
 Errors name the option as ``OWNER.NAME`` (``TrainConfig.rmm_rate``, ``DPConfig.clip_fn``, ``--rmm-rate``) and, for a
 group inside ``TrainConfig``, the group it is defined in. No JAX here: groups are declared in their home modules
-(:mod:`dpzero_jax.config`, :mod:`dpzero_jax.sketch`, :mod:`dpzero_jax.peft`, :mod:`dpzero_jax.sharding`,
+(:mod:`dpzero_jax.config`, :mod:`dpzero_jax.sketch`, :mod:`dpzero_jax.peft`, :mod:`dpzero_jax.mesh_options`,
 :mod:`dpzero_jax.train_config`).
 """
 
