@@ -17,6 +17,7 @@ import pytest
 from dp_accounting import pld, rdp
 
 from dpzero_jax import accounting as acc
+from dpzero_jax.accounting import calibration
 from dpzero_jax.cli import main
 from dpzero_jax.running_accountant import RunningAccountant
 from dpzero_jax.sampling import PoissonSampler
@@ -129,8 +130,8 @@ def test_epsilon_of_record_is_composed_before_training(tmp_path, monkeypatch, pr
                                   plot=False, checkpoint_every=0, **privacy))
     composed = []
     for name in ("_compose_from_scratch", "_composed"):
-        original = getattr(acc, name)
-        monkeypatch.setattr(acc, name, lambda *a, _f=original: composed.append(a) or _f(*a))
+        original = getattr(calibration, name)   # where the ledger's compositions are made and memoised
+        monkeypatch.setattr(calibration, name, lambda *a, _f=original: composed.append(a) or _f(*a))
     result = trainer.run()
     assert composed == []
     eta = trainer.sampler.truncation_probability

@@ -7,14 +7,13 @@ import math
 
 from dp_accounting import pld
 
+from dpzero_jax.accounting import calibration
 from dpzero_jax.accounting.calibration import (
     _check_accountant,
     _check_delta,
     _check_noise,
     _check_rate,
     _check_steps,
-    _compose_from_scratch,
-    _from_scratch_epsilon,
     _poisson_event,
     _poisson_key,
     coarse_interval,
@@ -110,5 +109,6 @@ def epsilon_of_record(noise_multiplier: float, sampling_rate: float, steps: int,
     if steps == 0 or sigma == 0:
         return 0.0 if steps == 0 else math.inf
     key = _poisson_key(sigma, q, steps)
-    return _from_scratch_epsilon(key, delta * (1.0 - TRUNCATION_SHARE), accountant,
-                                 lambda: _compose_from_scratch(key, accountant))
+    # through the module: the memo and the composition are calibration's (tests watch them there)
+    return calibration._from_scratch_epsilon(key, delta * (1.0 - TRUNCATION_SHARE), accountant,
+                                             lambda: calibration._compose_from_scratch(key, accountant))
