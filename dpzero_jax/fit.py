@@ -58,16 +58,15 @@ from dpzero_jax.fit_data import (
     as_host_batch,
     as_target,
     declared_sampling,
-    jsonable,
     metric_sums,
     pad_batch,
-    read_rows,
     run_evaluation,
     warn_about_sampling,
 )
 from dpzero_jax.optax_dp import clipped_grad
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import PoissonSampler
+from dpzero_jax.train_metrics import jsonable, read_metrics
 
 __all__ = ["FitResult", "PrivateTrainer"]
 
@@ -83,6 +82,10 @@ class _PrivacyOptions:
     batch_size: int
     sampling: str = "poisson"
     no_dp: bool = False
+
+
+def _name(value) -> str:
+    return getattr(value, "__qualname__", type(value).__name__)
 
 
 def _positive_real(name: str, value, why: str = "") -> float:
@@ -210,7 +213,7 @@ class PrivateTrainer:
             "max_grad_norm": max_grad_norm, "clip_fn": clip_fn, "groups": groups, "mode": mode,
             "front_end": front_end, "micro_batch_size": micro_batch_size,
             "accumulation_steps": self.accumulation_steps, "noise_rng": noise_rng, "seed": self.seed,
-            "steps": self.steps})
+            "steps": self.steps}, other=_name)   # a callable (groups=fn) by name: stable across processes
         self.train_key = jax.random.fold_in(jax.random.key(self.seed), 1)
         self._build_step()
         self._evaluators: dict = {}
@@ -424,7 +427,7 @@ class PrivateTrainer:
             if found is not None:
                 start, params, opt_state = found.step, found.params, found.opt_state
                 ledger = accounting.PrivacyLedger.from_dict(found.ledger)
-                earlier = read_rows(self.out / "metrics.jsonl", upto=start)
+                earlier = read_metrics(self.out / "metrics.jsonl", upto=start)
             elif resume is True:
                 raise FileNotFoundError(f"resume: no checkpoint in {self.out / 'checkpoints'} to resume from")
         if self.out is not None and not start:

@@ -18,7 +18,6 @@ batch of at most ``slots`` examples.
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -277,21 +276,3 @@ class FitResult:
     sampling: str
     formal_guarantee: bool
     history: list
-
-
-def jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return getattr(value, "__qualname__", type(value).__name__)
-
-
-def read_rows(path, upto: int) -> list[dict]:
-    """The rows of ``metrics.jsonl`` up to step ``upto`` (a resumed run keeps them)."""
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["step"] <= upto]

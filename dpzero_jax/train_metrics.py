@@ -132,15 +132,16 @@ def read_metrics(path, upto: int) -> list[dict]:
     return [r for r in rows if r["step"] <= upto]
 
 
-def jsonable(value):
-    """``value`` with dicts, lists and tuples walked and anything that is not a JSON scalar as its ``repr``."""
+def jsonable(value, other=repr):
+    """``value`` with dicts (keys as strings), lists and tuples walked and anything that is not a JSON scalar as
+    ``other(it)`` (default: its ``repr``)."""
     if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v, other) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [jsonable(v, other) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
-    return repr(value)
+    return other(value)
 
 
 def summary(result, ledger, finite: bool) -> dict:
