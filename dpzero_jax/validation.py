@@ -3,7 +3,7 @@
 The rules that keep a configuration from silently weakening privacy live here, so that a flag, a key of a JSON /
 YAML ``--config`` file and a keyword of ``TrainConfig`` meet the same check:
 
-* boolean options (:data:`dpzero_jax.train_config.BOOL_OPTIONS`; :data:`BOOL_FIELDS` without a list) take only
+* boolean options (:data:`dpzero_jax.train_config.BOOL_OPTIONS`, derived from ``TrainConfig``'s fields) take only
   real booleans -- JSON ``true`` / ``false``, YAML ``true`` / ``false`` (YAML 1.1 also reads ``yes`` / ``no`` /
   ``on`` / ``off`` unquoted as booleans). A *string* such as ``"false"`` or ``"no"`` is an error, never "true
   because it is non-empty".
@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-BOOL_FIELDS = ("no_dp", "progress", "plot", "distributed", "allow_large_delta")
 REPR_LIMIT = 80
 
 
@@ -55,7 +54,7 @@ def check_bool(owner: str, name: str, value) -> None:
                          f"accepted), got {short_repr(value)}")
 
 
-def check_privacy_options(values: dict, source: str = "TrainConfig", bool_fields=BOOL_FIELDS) -> None:
+def check_privacy_options(values: dict, source: str = "TrainConfig", bool_fields=()) -> None:
     """The exclusive privacy options in a mapping of explicitly given options (a config file, ``from_dict``), and
     real booleans for ``bool_fields`` (``TrainConfig``'s: :data:`dpzero_jax.train_config.BOOL_OPTIONS`)."""
     for name in bool_fields:

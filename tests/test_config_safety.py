@@ -8,7 +8,7 @@ import pytest
 
 from dpzero_jax.cli import main
 from dpzero_jax.train import TrainConfig, TrainResult
-from dpzero_jax.validation import BOOL_FIELDS
+from dpzero_jax.train_config import BOOL_OPTIONS
 
 
 def _train(argv, capsys):
@@ -112,7 +112,7 @@ def test_fuzzed_config_files_fail_clearly_or_keep_privacy():
             assert "\n" not in str(error) and "Traceback" not in str(error)
             continue
         accepted += 1
-        for name in BOOL_FIELDS:   # a boolean option is exactly what was written, never a coerced string
+        for name in BOOL_OPTIONS:   # a boolean option is exactly what was written, never a coerced string
             assert type(getattr(cfg, name)) is bool
             if name in values:
                 assert getattr(cfg, name) is values[name]
