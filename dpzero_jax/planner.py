@@ -19,7 +19,7 @@
   step with the models' block remat -- the scan's saved block inputs and stacked block gradients, plus the largest
   of one block's backward (gathered weights, their gradient, attention probabilities, activations), the LM head
   (gathered table, logits) and, for a ``d``-sharded table, its whole fp32 gradient; with the DP step's extra
-  buffers. Within 10% of the TPU compiler's bytes on the 7B-scale steps of ``experiments/tpu_aot.py``, 0.74-1.16
+  buffers. Within 10% of the TPU compiler's bytes on the 7B-scale steps of ``experiments/tpu_aot.py``, 0.61-1.16
   on shapes it was not built from (``docs/planner.md``).
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,
   Appendix A): ``min(2 T^2, rows * cols)`` fp32 numbers per example -- the two ``T x T`` Grams ``A A^T`` and

@@ -37,7 +37,7 @@ weight at a time are small next to these (``2 b T^2`` fp32).
 
 The multiplicities (two gathered copies, three fp32 tables, ...) are the buffers counted in the compiled programs
 of GPT-2 XL, GPT-J-6B and Llama-2-7B on 256 v5e chips, where the model is within 10% of the compiled bytes; on
-shapes it was not built from it measured 0.74-1.16 (``docs/planner.md``: the phases overlap in the compiled heap
+shapes it was not built from it measured 0.61-1.16 (``docs/planner.md``: the phases overlap in the compiled heap
 where this model takes their maximum, e.g. GPT-J's DP table gradients next to the gathered LM head).
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded: GPT-2 XL's 64-way shards
