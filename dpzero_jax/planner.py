@@ -13,8 +13,14 @@
   precision, live while that layer runs (one layer at a time, no prefetch; DESIGN §4's explicit strategy). The
   ``explicit`` strategy of :mod:`dpzero_jax.sharding` gathers linear layers so; it gathers embedding tables and
   norm parameters in fp32 (its master weights), up to twice this row when the embedding is the largest layer.
-* **activations** (an *estimate*, see :func:`activation_bytes_per_token`): what the backward pass keeps per token
-  of the per-device batch, without recomputation.
+* **activations** (``remat='none'``; an *estimate*, see :func:`activation_bytes_per_token`): what the backward pass
+  keeps per token of the per-device batch, without recomputation.
+* **temporaries** (``remat='block'``; :mod:`dpzero_jax.step_memory`): the named buffers of the compiled ZeRO-3
+  step with the models' block remat -- the scan's saved block inputs and stacked block gradients, plus the largest
+  of one block's backward (gathered weights, their gradient, attention probabilities, activations), the LM head
+  (gathered table, logits) and, for a ``d``-sharded table, its whole fp32 gradient; with the DP step's extra
+  buffers. Within 10% of the TPU compiler's bytes on the 7B-scale steps of ``experiments/tpu_aot.py``, 0.61-1.16
+  on shapes it was not built from (``docs/planner.md``).
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,
   Appendix A): ``min(2 T^2, rows * cols)`` fp32 numbers per example -- the two ``T x T`` Grams ``A A^T`` and
   ``G G^T`` of the ghost norm, or the instantiated ``rows x cols`` per-example gradient -- with ``T`` the positions
@@ -23,7 +29,8 @@
   the largest buffer (``dp_extra``); ``dp_extra_all_layers`` is the sum, the bound for a schedule that kept every
   layer's buffer alive.
 
-Everything is in bytes, per device, on the per-device batch ``batch / devices``. The model
+Everything is in bytes, per device, on the per-device batch ``batch / devices``; the model states are partitioned
+over ``shards`` of the devices (``F``, a mesh's ``fsdp`` axis; default all ``N``). The model
 (:class:`~dpzero_jax.decoder_shapes.DecoderConfig`, :mod:`dpzero_jax.decoder_shapes`) is exactly the project's
 :class:`~dpzero_jax.models.GPT2` (family ``gpt2``) or :class:`~dpzero_jax.models.Llama` (family ``llama``: Llama
 2/3, Mistral, Qwen2, Gemma 1/2; presets ``llama-2-7b`` ... ``gemma-2-9b``, or a checkpoint's ``config.json``).
@@ -52,6 +59,7 @@ from dpzero_jax.decoder_shapes import (  # noqa: F401  (DecoderConfig, PRESETS, 
     resolve_model,
     weights,
 )
+from dpzero_jax.step_memory import Term, block_remat_terms, largest_phase, peak_bytes, phase_totals
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -114,6 +122,8 @@ class MemoryPlan:
     dp_extra_all_layers: int
     norm_buffers: tuple[NormBuffer, ...]
     remat: str = "none"
+    shards: int = 0                         # F: devices sharing the ZeRO partition (0: all ``devices``)
+    temporaries: tuple[Term, ...] = ()      # remat='block': the compiled step's named buffers (step_memory)
 
     @property
     def batch_per_device(self) -> int:
@@ -139,12 +149,11 @@ class MemoryPlan:
         largest = max(self.norm_buffers, key=lambda b: b.bytes)
         n_ghost = sum(b.ghost for b in self.norm_buffers)
         n_matrix = sum(w.is_matrix for w in weights(self.model))
+        partition = " / N" if self.shards in (0, self.devices) else " / F"
+        if self.temporaries:
+            return self._block_rows(stage, half, partition)
         return [
-            ("parameters", self.parameters, f"{'2 (16-bit)' if half else '4 (fp32)'} x Psi"
-             + (" / N" if self.zero == 3 else "")),
-            ("gradients", self.gradients, f"{'2' if half else '4'} x Psi" + (" / N" if self.zero >= 2 else "")),
-            ("optimizer state", self.optimizer_state,
-             f"{'12 (master, m, v)' if half else '8 (m, v)'} x Psi" + (" / N" if self.zero >= 1 else "")),
+            *self._state_rows(half, partition),
             ("gathered weights", self.gathered_weights, "largest layer, full, compute precision (stage 3)"),
             ("activations (estimate)", self.activations,
              "B/N x T x (L x d + block + head) bytes per token (block remat)" if self.remat == "block"
@@ -155,6 +164,31 @@ class MemoryPlan:
             ("  (all layers at once)", self.dp_extra_all_layers, "sum over layers, not in the total"),
             ("total", self.total, f"ZeRO-{self.zero}: {stage}; non-DP {_gib(self.total_non_dp)}"),
         ]
+
+    def _state_rows(self, half: bool, partition: str) -> list[tuple[str, int, str]]:
+        return [
+            ("parameters", self.parameters, f"{'2 (16-bit)' if half else '4 (fp32)'} x Psi"
+             + (partition if self.zero == 3 else "")),
+            ("gradients", self.gradients, f"{'2' if half else '4'} x Psi" + (partition if self.zero >= 2 else "")),
+            ("optimizer state", self.optimizer_state,
+             f"{'12 (master, m, v)' if half else '8 (m, v)'} x Psi" + (partition if self.zero >= 1 else "")),
+        ]
+
+    def _block_rows(self, stage: str, half: bool, partition: str) -> list[tuple[str, int, str]]:
+        """remat='block': the model states, then the compiled step's buffers by phase (step_memory)."""
+        non_dp = tuple(t for t in self.temporaries if not t.name.startswith("DP:"))
+        totals, totals_dp = phase_totals(non_dp), phase_totals(self.temporaries)
+        rows = self._state_rows(half, partition)
+        for term in self.temporaries:
+            rows.append((f"  {term.name}", term.bytes, f"{term.formula}  [{term.phase}]"))
+        rows += [
+            ("temporaries", self.activations, f"always {_gib(totals['always'])} + largest phase "
+                                              f"({largest_phase(non_dp)})"),
+            ("DP extra", self.dp_extra, f"DP step: always {_gib(totals_dp['always'])} + largest phase "
+                                        f"({largest_phase(self.temporaries)}), less the non-DP temporaries"),
+            ("total", self.total, f"ZeRO-{self.zero}: {stage}; non-DP {_gib(self.total_non_dp)}"),
+        ]
+        return rows
 
     def format_table(self) -> str:
         """A plain-text table of the breakdown (GiB per device)."""
@@ -174,7 +208,8 @@ class MemoryPlan:
         return head + "\n".join(lines)
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "norm_buffers"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("norm_buffers", "temporaries")}
+        out["temporaries"] = [dataclasses.asdict(t) for t in self.temporaries]
         out.update(model_states=self.model_states, total=self.total, total_non_dp=self.total_non_dp,
                    batch_per_device=self.batch_per_device)
         return out
@@ -191,7 +226,8 @@ def _check_positive_int(name: str, value) -> int:
 
 
 def model_state_bytes(n_params: int, devices: int, precision: str, zero: int) -> tuple[int, int, int]:
-    """``(parameters, gradients, optimizer state)`` bytes per device for Adam (see the module docstring)."""
+    """``(parameters, gradients, optimizer state)`` bytes per device for Adam (see the module docstring);
+    ``devices``: those sharing the ZeRO partition."""
     shard = -(-n_params // devices)   # ceil: the flat ZeRO buffer padded to a multiple of N
     half = precision != "fp32"
     param_bytes, grad_bytes, optim_bytes = (2, 2, 12) if half else (4, 4, 8)
@@ -200,7 +236,7 @@ def model_state_bytes(n_params: int, devices: int, precision: str, zero: int) ->
 
 
 def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq: int, precision: str = "bf16",
-                zero: int = 3, remat: str = "none") -> MemoryPlan:
+                zero: int = 3, remat: str = "none", shards: int | None = None) -> MemoryPlan:
     """Per-device memory of a DP-ZeRO Adam step.
 
     model: a preset (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``gpt-j-6b``, ``gpt3-175b``,
@@ -209,7 +245,10 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
     / ``fp16`` (mixed: 16-bit parameters, gradients and activations, fp32 master copy and moments) or ``fp32``.
     zero: ZeRO stage 0-3. remat: ``none`` (the backward keeps every block's activations) or ``block`` (the
     models' ``remat='block'``: each block's input is kept, ``d`` numbers per token per layer at the compute
-    precision, and one block's activations are rebuilt at a time).
+    precision, and one block's activations are rebuilt at a time; the temporaries are the compiled step's named
+    buffers of :mod:`dpzero_jax.step_memory`, checked against TPU compiles). shards: ``F``, the devices sharing the
+    ZeRO partition (a mesh's ``fsdp`` axis; the others hold replicas and split the batch), a divisor of
+    ``devices``; default ``devices``.
     """
     config = resolve_model(model)
     _check_positive_int("devices", devices)
@@ -222,28 +261,34 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
     if remat not in PLANNED_REMAT:
         raise ValueError(f"remat must be one of {PLANNED_REMAT} (the planner does not model the 'dots' policy), "
                          f"got {remat!r}")
+    shards = devices if shards is None else _check_positive_int("shards", shards)
+    if devices % shards:
+        raise ValueError(f"shards={shards} does not divide devices={devices}")
     if batch % devices:
         raise ValueError(f"batch={batch} is not divisible by devices={devices}")
     if seq > config.n_ctx:
         raise ValueError(f"seq={seq} exceeds the context n_ctx={config.n_ctx} of model {config.name!r}")
     n_params = config.n_params
-    parameters, gradients, optimizer_state = model_state_bytes(n_params, devices, precision, zero)
+    parameters, gradients, optimizer_state = model_state_bytes(n_params, shards, precision, zero)
     compute_bytes = 4 if precision == "fp32" else 2
     layer_sizes: dict[str, int] = {}
     for w in weights(config):
         layer_sizes[w.layer] = layer_sizes.get(w.layer, 0) + w.size
-    gathered = compute_bytes * max(layer_sizes.values()) if zero == 3 and devices > 1 else 0
+    gathered = compute_bytes * max(layer_sizes.values()) if zero == 3 and shards > 1 else 0
     per_device = batch // devices
     block, head = activation_bytes_per_token(config, seq, precision)
-    if remat == "block":
-        kept = config.n_layer * compute_bytes * config.d_model + block
-    else:
-        kept = config.n_layer * block
-    activations = per_device * seq * (kept + head)
     buffers = tuple(norm_buffers(config, per_device, seq))
+    dp_extra, terms = max(b.bytes for b in buffers), ()
+    if remat == "block":   # the compiled step's buffers (step_memory): gathered weights are one of them
+        terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, n_params, zero, private=True,
+                                  replicas=devices // shards)
+        activations = peak_bytes(tuple(t for t in terms if not t.name.startswith("DP:")))
+        dp_extra, gathered = peak_bytes(terms) - activations, 0
+    else:
+        activations = per_device * seq * (config.n_layer * block + head)
     return MemoryPlan(config, devices, batch, seq, precision, zero, n_params, parameters, gradients, optimizer_state,
-                      gathered, activations, max(b.bytes for b in buffers), sum(b.bytes for b in buffers), buffers,
-                      remat)
+                      gathered, activations, dp_extra, sum(b.bytes for b in buffers), buffers, remat,
+                      shards, terms)
 
 
 def format_sizes() -> str:
@@ -291,6 +336,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, help="tokens per example (default: the model's context)")
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)} (default bf16)")
     parser.add_argument("--zero", type=int, default=3, help="ZeRO stage 0-3 (default 3)")
+    parser.add_argument("--shards", type=int, default=None, help="F: devices sharing the ZeRO partition (a mesh's "
+                                                                  "fsdp axis), a divisor of N (default N)")
     parser.add_argument("--remat", default="none", help=f"one of {', '.join(PLANNED_REMAT)}: the model's remat "
                                                         "policy (default none)")
     parser.add_argument("--sizes", action="store_true", help="print paper 000 Table 2's model sizes and exit")
@@ -307,7 +354,7 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError("--batch is required")
     config = resolve_model(args.model)
     plan = plan_memory(config, args.devices, args.batch, config.n_ctx if args.seq is None else args.seq,
-                       args.precision, args.zero, args.remat)
+                       args.precision, args.zero, args.remat, args.shards)
     if args.json:
         return json.dumps(plan.to_dict(), indent=2)
     return plan.format_table()

@@ -277,6 +277,18 @@ def test_cli_prints_the_breakdown(capsys):
     assert f"{expected.total / 2**30:.3f}" in out and "1,557,611,200" in out
 
 
+def test_cli_block_remat_prints_the_compiled_step_buffers(capsys):
+    """``--remat block --shards 64``: GPT-2 XL as tpu_aot.py compiles it on 256 chips (data 4 x fsdp 64); the table
+    lists the named buffers with their phases and the DP extra's whole fp32 table gradient."""
+    assert planner.main(["--model", "gpt2-xl", "--devices", "256", "--shards", "64", "--batch", "256", "--seq",
+                         "1024", "--remat", "block"]) == 0
+    out = capsys.readouterr().out
+    expected = planner.plan_memory("gpt2-xl", 256, 256, 1024, "bf16", 3, remat="block", shards=64)
+    assert "12 (master, m, v) x Psi / F" in out and "[table gradient]" in out and "[block backward]" in out
+    assert f"{expected.total / 2**30:.3f}" in out
+    assert expected.optimizer_state == 12 * -(-1_557_611_200 // 64)
+
+
 def test_cli_sizes_and_json_config(tmp_path, capsys):
     assert planner.main(["--sizes"]) == 0
     out = capsys.readouterr().out
@@ -292,6 +304,7 @@ def test_cli_sizes_and_json_config(tmp_path, capsys):
     (["--model", "gpt2", "--batch", "6", "--devices", "4"], "batch=6 is not divisible by devices=4"),
     (["--model", "nope.json", "--batch", "4"], "model config file 'nope.json' does not exist"),
     (["--model", "gpt2"], "--batch is required"),
+    (["--model", "gpt2", "--batch", "8", "--devices", "8", "--shards", "3"], "shards=3 does not divide devices=8"),
 ])
 def test_cli_errors(argv, message, capsys):
     assert planner.main(argv) == 2

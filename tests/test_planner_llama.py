@@ -63,17 +63,35 @@ def test_weights_are_the_leaves_the_engine_traces(overrides):
     assert {w.path: w.uses for w in ours if w.is_matrix} == {w.path: uses[w.path] for w in ours if w.is_matrix}
 
 
-def test_block_remat_keeps_one_input_per_layer():
-    """With ``remat='block'`` the backward keeps each block's input (``d`` numbers per token per layer, 2 bytes in
-    bf16) and one block's activations: the estimate shrinks by ``(L - 1) x block - L x 2 d`` per token."""
-    none = planner.plan_memory("llama-2-7b", 8, 8, 2048, "bf16", 3)
-    block = planner.plan_memory("llama-2-7b", 8, 8, 2048, "bf16", 3, remat="block")
-    per_block, _ = planner.activation_bytes_per_token(planner.PRESETS["llama-2-7b"], 2048, "bf16")
-    tokens = 1 * 2048
-    assert none.activations - block.activations == tokens * (31 * per_block - 32 * 2 * 4096)
-    assert block.model_states == none.model_states and block.dp_extra == none.dp_extra
+def test_block_remat_temporaries_are_the_carries_and_the_largest_phase():
+    """With ``remat='block'`` the temporaries are the buffers live throughout the backward plus its largest phase
+    (dpzero_jax.step_memory). Llama 2 7B, 256 chips, T 2048, one sequence per chip, counted by hand: always, the
+    scan's saved block inputs ``32 x 2048 x 4096 x 2`` and the stacked bf16 block gradients ``2 x 32 x p_l / 256``
+    with ``p_l = 4 d^2 + 3 d d_ff + 2 d = 202,383,360``; block backward: gathered weights and their unsharded
+    gradient ``2 x 2 p_l``, fp32 attention probabilities and gradient plus their bf16 cast ``32 x 2048^2 x 10``,
+    other activations ``2048 x 2 x (8 d + 3 d_ff)``. The LM-head phase (gathered table ``2 x 2 V d``, logits ``2048
+    x 32000 x 8``) is smaller, and the vocabulary-sharded table has no table-gradient phase. The DP step adds one
+    fp32 gradient shard."""
+    plan = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3, remat="block")
+    p_l = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    always = 32 * 2048 * 4096 * 2 + -(-2 * 32 * p_l // 256)
+    block = 2 * 2 * p_l + 32 * 2048**2 * 10 + 2048 * 2 * (8 * 4096 + 3 * 11008)
+    assert p_l == 202_383_360 and plan.activations == always + block
+    assert 2 * 2 * 32000 * 4096 + 2048 * 32000 * 8 < block
+    assert plan.dp_extra == 4 * -(-plan.n_params // 256)
+    assert plan.gathered_weights == 0     # one of the block phase's buffers
+    none = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3)
+    assert plan.model_states == none.model_states
     with pytest.raises(ValueError, match="does not model the 'dots' policy"):
         planner.plan_memory("llama-2-7b", 8, 8, 2048, "bf16", 3, remat="dots")
+
+
+def test_shards_partition_the_model_states_not_the_batch():
+    """``shards=F``: the model states are split ``F`` ways (a mesh's fsdp axis), the batch over all ``N``."""
+    plan = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3, remat="block", shards=64)
+    assert plan.optimizer_state == 12 * -(-plan.n_params // 64) and plan.batch_per_device == 1
+    with pytest.raises(ValueError, match="shards=48 does not divide devices=256"):
+        planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3, shards=48)
 
 
 @pytest.mark.parametrize("values, message", [

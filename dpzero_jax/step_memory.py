@@ -1,0 +1,165 @@
+"""Temporaries of a compiled ZeRO-3 training step with ``remat='block'``: a peak model of named buffers.
+
+What a partitioned (GSPMD) step of a scanned decoder holds on one device besides its arguments, read from the TPU
+compiler's buffer assignment of the steps of ``experiments/tpu_aot.py`` (``--xla_dump_to``: the memory-usage
+report's largest allocations) and written as one formula per buffer.
+The step's buffers live in *phases*; the compiled step needs the buffers live throughout plus the largest phase:
+
+``temporaries = always + max(block backward, LM head, table gradient)``
+
+With ``b`` sequences per device of ``T`` tokens, ``L`` blocks of width ``d``, ``h`` heads, vocabulary ``V``, ``c``
+bytes per activation (2 in bf16 / fp16, 4 in fp32), ``p_l`` parameters per block and ``F`` devices sharing the
+ZeRO partition (the mesh's ``fsdp`` axis):
+
+* **always**: the scan's saved block inputs, ``L b T d c`` (``remat='block'`` keeps each block's input; the
+  backward of one block at a time rebuilds the rest); the backward scan's stacked gradient of the blocks, sharded,
+  at the compute precision, ``c ceil(L p_l / F)``, before its cast to the fp32 gradient of the update (the fp32
+  gradient shard is the planner's ``gradients`` row: with 16-bit ``parameters`` and the fp32 master, moments in
+  ``optimizer state``, the rows add up to the step's fp32 parameters, moments and gradient, ``16 Psi / F``).
+* **block backward** (one block, rebuilt): its weights all-gathered at the compute precision, ``c p_l``; its
+  unsharded weight gradient at the compute precision before the reduce-scatter, ``c p_l``; the attention
+  probabilities and their gradients, ``b h T^2`` numbers of :func:`attention_bytes` each (GPT-2: ``3 c``; Llama:
+  ``4 + 4 + c``); the block's other activations, ``b T c x`` with ``x`` the per-token count of
+  :func:`~dpzero_jax.decoder_shapes.activation_bytes_per_token` (GPT-2 ``8 d + 2 d_ff``).
+* **LM head**: what the head gathers (:func:`head_gather`: the embedding table and the head at the compute
+  precision, ``2 c V d``, or the devices' activations for a large vocabulary-sharded table); the logits' fp32 cast
+  for the loss, the logits and their gradient at the compute precision, ``b T V (4 + 2 c)``.
+* **table gradient** (only when the table is sharded along ``d``, i.e. ``V`` is not a multiple of ``F``, as for
+  GPT-2's 50257, and the batch also spans a data axis, ``N > F``): the partitioner forms the lookup's scatter-add
+  gradient as whole fp32 ``[V, d]`` tables on every device before slicing them, ``3 x 4 V d`` (measured on GPT-2
+  XL: three such buffers). A vocabulary-sharded table gets a sharded scatter-add: no such phase.
+
+The DP step (``private_value_and_grad``, ghost clipping in two passes under remat) adds, measured the same way: the
+clipped-and-noised fp32 gradient shard kept next to the first pass's, ``4 ceil(Psi / F)``, and with a
+``d``-sharded table the clipped sum's whole fp32 table gradient in the table-gradient phase: ``4 V d`` more where
+the non-DP step already has that phase, ``3 x 4 V d`` where it has none. The ghost norms' ``T x T`` Grams of one
+weight at a time are small next to these (``2 b T^2`` fp32).
+
+The multiplicities (two gathered copies, three fp32 tables, ...) are the buffers counted in the compiled programs
+of GPT-2 XL, GPT-J-6B and Llama-2-7B on 256 v5e chips, where the model is within 10% of the compiled bytes; on
+shapes it was not built from it measured 0.61-1.16 (``docs/planner.md``: the phases overlap in the compiled heap
+where this model takes their maximum, e.g. GPT-J's DP table gradients next to the gathered LM head).
+
+Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded: GPT-2 XL's 64-way shards
+of ``d = 1600`` are 25 wide), the allocator's packing, what the compiler puts in on-chip memory (about 0.11 GiB on
+v5e, outside ``memory_analysis()``'s temporaries), LoRA / frozen weights, ``remat='dots'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dpzero_jax.decoder_shapes import DecoderConfig, weights
+
+PHASES = ("always", "block backward", "LM head", "table gradient")
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One named buffer (or group) of the compiled step: ``phase`` (one of :data:`PHASES`), bytes per device and
+    the formula it was computed by."""
+
+    name: str
+    phase: str
+    bytes: int
+    formula: str
+
+
+def block_parameters(config: DecoderConfig) -> int:
+    """``p_l``: trainable parameters of one block (the first; every block has the same shapes)."""
+    first = "h/0" if config.family == "gpt2" else "layers/0"
+    return sum(w.size for w in weights(config) if w.layer.startswith(first + "/") or w.layer == first)
+
+
+def per_token_block_numbers(config: DecoderConfig) -> int:
+    """Per-token activations of one block other than the attention probabilities (numbers at the compute precision,
+    the count of :func:`~dpzero_jax.decoder_shapes.activation_bytes_per_token`)."""
+    d = config.d_model
+    if config.family == "gpt2":
+        return 8 * d + 2 * config.mlp_width
+    heads = 2 * config.n_head * config.head_size + 2 * config.kv_heads * config.head_size
+    return (4 + 2 * config.sandwich_norms) * d + heads + 3 * config.mlp_width
+
+
+def attention_bytes(config: DecoderConfig, compute_bytes: int) -> int:
+    """Bytes per attention probability (``b h T^2`` of them) held in a block's backward. GPT-2 (the project's
+    attention: scores, fp32 softmax and the cast back fuse into one kernel): the probabilities, their gradient and
+    the scores' gradient at the compute precision, ``3 c``. Llama family (``jax.nn.dot_product_attention``'s XLA
+    path): the fp32 probabilities and fp32 gradient, and the probabilities cast for the ``P V`` matmul,
+    ``4 + 4 + c``."""
+    return 3 * compute_bytes if config.family == "gpt2" else 8 + compute_bytes
+
+
+def head_gather(config: DecoderConfig, b: int, t: int, c: int, shards: int, replicas: int) -> Term:
+    """What the LM head gathers under ZeRO-3. A ``d``-sharded table is gathered whole: ``2 c V d`` (the lookup's
+    copy and the head's, one table twice when tied). A vocabulary-sharded table is gathered only when it is smaller
+    than the devices' activations (``V d <= N b T d``); otherwise the partitioner gathers the activations, ``c N b T
+    d``, and each device computes the logits of all ``N b`` sequences for its ``V / F`` rows (the same bytes)."""
+    v, d, n = config.vocab, config.d_model, shards * replicas
+    if table_sharded_along_d(config, shards) or v * d <= n * b * t * d:
+        return Term("embedding table + LM head, gathered", "LM head", 2 * c * v * d, "2 c V d (ZeRO-3)")
+    return Term("activations gathered for the vocabulary-sharded head", "LM head", c * n * b * t * d,
+                "c N b T d (V d > N b T d)")
+
+
+def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
+    """Whether ``sharding.weight_spec`` shards the ``[V, d]`` embedding table along ``d`` on ``shards`` devices (the
+    largest dimension the shard count divides; ``V`` when both do and ``V >= d``)."""
+    if shards == 1:
+        return False
+    v, d = config.vocab, config.d_model
+    return d % shards == 0 and (v % shards != 0 or d > v)
+
+
+def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, shards: int, compute_bytes: int,
+                      n_params: int, zero: int, private: bool, replicas: int = 1) -> tuple[Term, ...]:
+    """The named buffers of a compiled step with ``remat='block'`` (see the module docstring); ``private``: also
+    the DP step's extra buffers (names starting with ``DP:``)."""
+    b, t, c = batch_per_device, seq, compute_bytes
+    d, v, h, layers = config.d_model, config.vocab, config.n_head, config.n_layer
+    p_l = block_parameters(config)
+    gathered = zero == 3 and shards > 1
+    terms = [
+        Term("block inputs (scan carries)", "always", layers * b * t * d * c, "L b T d c"),
+        Term("stacked block gradients, compute precision", "always", c * -(-layers * p_l // shards),
+             "c ceil(L p_l / F)"),
+        Term("block weights, gathered", "block backward", c * p_l if gathered else 0, "c p_l (ZeRO-3)"),
+        Term("block weight gradient, unsharded", "block backward", c * p_l, "c p_l"),
+        Term("attention probabilities and gradients", "block backward", b * h * t * t * attention_bytes(config, c),
+             "b h T^2 x (GPT-2: 3 c; Llama: 4 + 4 + c)"),
+        Term("block activations", "block backward", b * t * c * per_token_block_numbers(config), "b T c x"),
+        head_gather(config, b, t, c, shards, replicas) if gathered else
+        Term("embedding table + LM head, gathered", "LM head", 0, "2 c V d (ZeRO-3)"),
+        Term("logits: fp32 for the loss, compute precision + gradient", "LM head", b * t * v * (4 + 2 * c),
+             "b T V (4 + 2 c)"),
+    ]
+    d_sharded = zero == 3 and table_sharded_along_d(config, shards)
+    table = 3 * 4 * v * d if d_sharded else 0
+    terms.append(Term("fp32 table gradient, unsharded", "table gradient", table if replicas > 1 else 0,
+                      "3 x 4 V d (d-sharded table, data axis > 1)"))
+    if private:
+        terms.append(Term("DP: clipped + noised gradient shard", "always", 4 * -(-n_params // shards),
+                          "4 ceil(Psi / F)"))
+        terms.append(Term("DP: fp32 table gradient of the clipped sum", "table gradient",
+                          (4 * v * d if replicas > 1 else table) if d_sharded else 0,
+                          "4 V d (d-sharded table; 3 x 4 V d with no data axis)"))
+    return tuple(terms)
+
+
+def phase_totals(terms: tuple[Term, ...]) -> dict[str, int]:
+    """Bytes per phase."""
+    out = {phase: 0 for phase in PHASES}
+    for term in terms:
+        out[term.phase] += term.bytes
+    return out
+
+
+def peak_bytes(terms: tuple[Term, ...]) -> int:
+    """``always + max(other phases)``: the temporaries of the compiled step."""
+    totals = phase_totals(terms)
+    return totals["always"] + max(totals[p] for p in PHASES if p != "always")
+
+
+def largest_phase(terms: tuple[Term, ...]) -> str:
+    totals = phase_totals(terms)
+    return max((p for p in PHASES if p != "always"), key=lambda p: totals[p])

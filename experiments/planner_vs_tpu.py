@@ -1,0 +1,133 @@
+"""The memory planner against the TPU compiler: ``dpzero plan --remat block`` vs compiled per-chip bytes.
+
+For each ZeRO-3 step of ``experiments/tpu_aot.py`` (strategy ``gspmd``, remat ``block``, bf16 activations, fp32
+parameters and Adam moments, one sequence per chip), the compiled per-chip bytes -- ``memory_analysis()``'s
+arguments (fp32 parameters and moments) plus temporaries (gradients, activations, everything else) -- against the
+planner's total (model states + temporaries [+ DP extra]) for the same model, devices, ZeRO partition (the mesh's
+``fsdp`` axis), batch and sequence length.
+
+Compiled figures come from ``experiments/results/tpu_aot.json`` (the cached points, no libtpu needed) and from
+``--compile`` specs, compiled here with libtpu (set-up: ``experiments/bench_compiled.py``) for shapes not in the
+cache (every spec cached in ``--out`` is compared too), e.g. a held-out variant::
+
+    PYTHONPATH=$PWD ALLOW_MULTIPLE_LIBTPU_LOAD=1 /work/venv-tpu/bin/python experiments/planner_vs_tpu.py \\
+        --compile "llama2-7b@v5e:8x8:num_hidden_layers=16,T=1024"
+
+A spec is ``case@topology[:key=value,...]``: a case of ``tpu_aot.CASES``, a TPU topology, and overrides of its
+model config (``GPT2Config`` / ``LlamaConfig`` keyword arguments) or of ``T`` / ``B``. Compiled points are cached in
+``--out`` (default ``experiments/results/planner_vs_tpu.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import tpu_aot  # noqa: E402  (a sibling script; imports JAX only to compile)
+
+from dpzero_jax import planner  # noqa: E402
+
+GIB = 2**30
+DEFAULT_OUT = os.path.join(HERE, "results", "planner_vs_tpu.json")
+_GPT2_KEYS = {"n_layer": "n_layer", "n_embd": "d_model", "n_head": "n_head", "vocab_size": "vocab",
+              "n_positions": "n_ctx", "n_inner": "d_ff", "tie_word_embeddings": "tied"}
+_LLAMA_KEYS = {"num_hidden_layers": "n_layer", "hidden_size": "d_model", "num_attention_heads": "n_head",
+               "vocab_size": "vocab", "max_position_embeddings": "n_ctx", "intermediate_size": "d_ff",
+               "num_key_value_heads": "n_kv_head", "tie_word_embeddings": "tied"}
+
+
+def decoder_config(case: tpu_aot.Case) -> planner.DecoderConfig:
+    """The planner's config of a ``tpu_aot`` case (its ``GPT2Config`` / ``LlamaConfig`` keyword arguments)."""
+    keys = _GPT2_KEYS if case.family == "gpt2" else _LLAMA_KEYS
+    fields = {keys[k]: v for k, v in case.config}
+    if case.family == "llama":
+        fields.update(family="llama", tied=fields.get("tied", False))
+    return planner.DecoderConfig(name=case.name, **fields)
+
+
+def parse_spec(spec: str) -> tpu_aot.Case:
+    """``case@topology[:key=value,...]`` -> a ``tpu_aot.Case`` (config / ``T`` / ``B`` overridden)."""
+    name, _, rest = spec.partition("@")
+    topology, _, overrides = rest.rpartition(":") if rest.count(":") >= 2 else (rest, "", "")
+    if name not in tpu_aot.CASES or not topology:
+        raise ValueError(f"bad spec {spec!r}: expected case@topology[:key=value,...] with a case of "
+                         f"{tuple(tpu_aot.CASES)}")
+    case = tpu_aot.CASES[name]
+    config, extra = dict(case.config), {}
+    for item in filter(None, overrides.split(",")):
+        key, _, value = item.partition("=")
+        (extra if key in ("T", "B") else config)[key] = int(value)
+    return dataclasses.replace(case, name=spec, config=tuple(config.items()), topology=topology, **extra)
+
+
+def compile_spec(case: tpu_aot.Case, variant: str) -> dict:
+    compiled, mesh, seconds = tpu_aot.compile_point(case, variant, "gspmd", "block")
+    memory = compiled.memory_analysis()
+    return {"mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}", "topology": case.topology,
+            "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
+            "T": case.T, "examples_per_chip": case.B, "compile_seconds": round(seconds[1], 1)}
+
+
+def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
+    """Rows ``{case, mesh, variant, compiled, planner, ratio}`` (GiB) for the compiled points of ``case``."""
+    rows = []
+    config = decoder_config(case)
+    for variant in ("nonprivate", "dp"):
+        point = points.get(variant)
+        if not point or "failed" in point:
+            continue
+        shape = dict(item.split("=") for item in point["mesh"].split(","))
+        devices = int(shape["data"]) * int(shape["fsdp"])
+        plan = planner.plan_memory(config, devices, devices * point["examples_per_chip"], point["T"], "bf16", 3,
+                                   remat="block", shards=int(shape["fsdp"]))
+        compiled = point["argument_bytes"] + point["temp_bytes"]
+        mine = plan.total if variant == "dp" else plan.total_non_dp
+        rows.append({"case": case.name, "mesh": point["mesh"], "variant": variant, "compiled": compiled / GIB,
+                     "planner": mine / GIB, "ratio": mine / compiled})
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="gpt2-xl,gptj-6b,llama2-7b", help="cached tpu_aot cases to compare")
+    parser.add_argument("--compile", action="append", default=[], help="case@topology[:key=value,...] to compile")
+    parser.add_argument("--variants", default="nonprivate,dp")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--recompute", action="store_true")
+    args = parser.parse_args(argv)
+    cached = tpu_aot.load(os.path.join(HERE, "results", "tpu_aot.json")).get("points", {})
+    rows = []
+    for name in filter(None, args.cases.split(",")):
+        points = {v: cached.get(f"{name}/gspmd/{v}") for v in ("nonprivate", "dp")}
+        rows += compare(tpu_aot.CASES[name], points)
+    data = tpu_aot.load(args.out)
+    if args.compile:
+        if importlib.util.find_spec("libtpu") is None:
+            raise SystemExit("--compile needs libtpu (see experiments/bench_compiled.py)")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    for spec in list(data.get("points", {})) + [s for s in args.compile if s not in data.get("points", {})]:
+        case = parse_spec(spec)
+        points = data.setdefault("points", {}).setdefault(spec, {})
+        for variant in args.variants.split(","):
+            if spec in args.compile and (variant not in points or args.recompute):
+                print(f"compiling {spec} {variant} ...", flush=True)
+                points[variant] = compile_spec(case, variant)
+                tpu_aot.save(args.out, data)
+        rows += compare(case, points)
+    print("| case | mesh | step | compiled GiB (args + temp) | planner GiB | planner / compiled |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['mesh']} | {r['variant']} | {r['compiled']:.3f} | {r['planner']:.3f} "
+              f"| {r['ratio']:.2f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
