@@ -47,11 +47,12 @@ def check_same_run(config: TrainConfig, saved: dict, out) -> None:
     allowed = set(RESUMABLE_CHANGES)
     if config.noise_multiplier is not None or config.no_dp:
         allowed |= {"steps", "epochs"}
-    # an option missing from an older checkpoint's config did not exist then: that run had its default
+    # an option missing from an older checkpoint's config did not exist then: that run had its default (and an option
+    # to_dict leaves out, epsilon next to noise_multiplier / no_dp, has its default)
     defaults = jsonable({f.name: f.default for f in dataclasses.fields(TrainConfig)
                          if f.default is not dataclasses.MISSING})
     changed = sorted(k for k in current.keys() | saved.keys()
-                     if k not in allowed and current.get(k) != saved.get(k, defaults.get(k)))
+                     if k not in allowed and current.get(k, defaults.get(k)) != saved.get(k, defaults.get(k)))
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
         raise ValueError(f"cannot resume from {out / 'checkpoints'}: it was written with different "

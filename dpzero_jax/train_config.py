@@ -323,7 +323,13 @@ class TrainConfig(*reversed(GROUPS)):   # reversed: dataclass fields come from t
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every option, as :meth:`from_dict` takes it back: ``epsilon`` is left out when it is not in effect (with
+        ``noise_multiplier`` or ``no_dp`` it keeps its default and is only reported, and ``from_dict`` refuses it
+        next to either)."""
+        values = dataclasses.asdict(self)
+        if self.noise_multiplier is not None or self.no_dp:
+            del values["epsilon"]
+        return values
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:

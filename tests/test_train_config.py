@@ -111,3 +111,25 @@ def test_groups_as_objects_and_the_runtime_dp_config():
         RMMOptions(rmm_rate=0.5)
     with pytest.raises(ValueError, match="rmm='dct' is not supported with strategy='explicit'"):   # across groups
         cfg.replace(strategy="explicit")
+
+
+@pytest.mark.parametrize("changes", [{}, {"noise_multiplier": 1.3}, {"no_dp": True}, {"epsilon": 8.0, "lr": 0.05},
+                                     {"noise_multiplier": 0.9, "clip_quantile": 0.5}])
+def test_to_dict_round_trips_through_from_dict(changes):
+    """A saved config (checkpoint metadata, a --config file) builds the same config again, also when epsilon is not
+    in effect (noise_multiplier or no_dp given: from_dict refuses epsilon next to them)."""
+    cfg = TrainConfig(**changes)
+    values = cfg.to_dict()
+    assert TrainConfig.from_dict(values) == cfg
+    assert ("epsilon" in values) == (cfg.noise_multiplier is None and not cfg.no_dp)
+
+
+def test_a_run_saved_with_the_default_epsilon_listed_resumes(tmp_path):
+    """Checkpoints written before to_dict left epsilon out list it next to noise_multiplier: the same run."""
+    from dpzero_jax.train_checkpoint import check_same_run, jsonable
+
+    cfg = TrainConfig(noise_multiplier=1.1)
+    check_same_run(cfg, {**jsonable(cfg.to_dict()), "epsilon": 3.0}, tmp_path)
+    other = TrainConfig(epsilon=5.0)
+    with pytest.raises(ValueError, match="epsilon"):
+        check_same_run(other, {**jsonable(other.to_dict()), "epsilon": 3.0}, tmp_path)
