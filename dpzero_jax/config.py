@@ -32,6 +32,7 @@ from dpzero_jax_kernels.ghost_norm import NORM_KERNELS
 MODES = ("auto", "bk", "ghost", "fused", "vmap")
 FRONT_ENDS = ("auto", "layers", "program")
 TARGETS = ("cpu", "gpu", "tpu")
+SCAN_GROUPS = ("whole", "per-iteration")
 SAMPLINGS = ("poisson", "fixed-size", "shuffled")
 EPSILON_DEFAULT = 3.0
 
@@ -112,6 +113,13 @@ class DPConfig:
         plain ``jax.numpy``; scans stay scans), book-keeping only (``mode`` ``"bk"`` or ``"auto"``; ``"vmap"`` runs
         as ever); ``"auto"`` (default): ``"layers"`` when every trainable leaf is used inside ``dpzero_jax`` layers,
         else ``"program"``. See :mod:`dpzero_jax.program`.
+    scan_groups: the clipping groups of parameters stacked over the iterations of a ``lax.scan`` (a scanned stack of
+        layers: ``nn.scan``, ``nnx.scan``, ``stacked_blocks``; program front-end). ``"whole"`` (default): a stacked
+        leaf ``[L, ...]`` is one parameter, its group holds every iteration's gradient. ``"per-iteration"``: each
+        iteration's slice is a parameter of its own, so ``groups`` applies layer by layer within the stack
+        (``"layer-wise"``: one group per layer of the stack; ``M`` grows by the stack's depth; thresholds ``R /
+        sqrt(M)``). Computed by ``mode="fused"``, in one backward pass inside the scan (each iteration's
+        coefficient is known as soon as its output gradient is); the other modes refuse it.
     target: the backend the step is compiled for, ``"cpu"``, ``"gpu"`` or ``"tpu"``; ``None`` (default):
         ``jax.default_backend()`` when the step is traced. It decides what the ``"auto"`` settings resolve to; set
         it when compiling ahead of time for another backend (a TPU program compiled on a CPU host).
@@ -131,6 +139,7 @@ class DPConfig:
     group_thresholds: Sequence[float] | None = option(None, Check("a sequence of positive numbers",
                                                                    _accept_thresholds).or_none())
     front_end: str = option("auto", choice(FRONT_ENDS))
+    scan_groups: str = option("whole", choice(SCAN_GROUPS))
     target: str | None = option(None, choice(TARGETS).or_none("None (jax.default_backend()) or one of {choices}"))
 
     def __post_init__(self):

@@ -119,9 +119,18 @@ def _check_mask(mask, batch_size):
 
 def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
     """``"layers"`` or ``"program"`` for this config and plan; refuses what the program front-end cannot do."""
+    if cfg.scan_groups == "per-iteration" and cfg.mode not in ("fused", "auto"):
+        raise ValueError(f"DPConfig.scan_groups='per-iteration' is computed by mode='fused' (or 'auto'), not "
+                         f"mode={cfg.mode!r}")
     if cfg.mode == "vmap":
         return "layers"  # differentiates the loss itself: any model
     wanted = cfg.front_end
+    if cfg.scan_groups == "per-iteration":
+        if wanted == "layers" or layout is not None:
+            raise ValueError("DPConfig.scan_groups='per-iteration' splits the groups of scanned, stacked parameters; "
+                             "it needs the traced-program front-end (front_end='auto' or 'program', whole "
+                             "parameters: no layer-by-layer ZeRO-3 gathering)")
+        wanted = "program"
     if wanted == "auto":
         wanted = "program" if plan.outside else "layers"
     if wanted == "layers":
@@ -191,8 +200,11 @@ def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=
     if _front_end(cfg, plan, layout) == "program":
         from dpzero_jax.program import mode as program_mode
 
-        program_plan = _with_thresholds(
-            program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size), thresholds)
+        program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
+        if thresholds is not None and program_plan.iterations:
+            raise ValueError("thresholds given at call time (adaptive clipping) are not supported with "
+                             "DPConfig.scan_groups='per-iteration'")
+        program_plan = _with_thresholds(program_plan, thresholds)
         concrete = cfg.replace(mode=program_mode.concrete_mode(cfg, program_plan))
         return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask)
     concrete = choose_mode(cfg, plan)

@@ -40,13 +40,23 @@ and groups whose leaves are all fallback leaves (their per-example gradients com
 through per-example copies, and are clipped after it). Refused with the group's name: tied weights (the uses'
 gradients add up with cross terms), a group with two ``dot`` / ``conv`` / ``gather`` sites (``all-layer``, a
 layer-wise block of several matrices: their per-example gradients would be routed whole) or with sites in
-different sub-programs, and any site inside a ``scan``: on the program front-end a stacked leaf ``[L, ...]`` is ONE
-parameter path, so its group (param-wise: the leaf; layer-wise: its parent path) holds all ``L`` iterations'
-gradients (book-keeping and ghost add the iterations' squared norms), and no iteration's coefficient is known
-before the backward has run through all of them.
+different sub-programs, and a site inside a ``scan`` unless its group is split per iteration: on the program
+front-end a stacked leaf ``[L, ...]`` is ONE parameter path, so its group (param-wise: the leaf; layer-wise: its
+parent path) holds all ``L`` iterations' gradients (book-keeping and ghost add the iterations' squared norms), and
+no iteration's coefficient is known before the backward has run through all of them.
+
+Scans (``DPConfig.scan_groups="per-iteration"``, :func:`dpzero_jax.program.mode.split_per_iteration`): each
+iteration's slice of a stacked leaf is a parameter of its own, so a group of stacked leaves becomes one group per
+iteration. Its head's tap sits in the scan body; its inputs -- the sink, the keep flag, the threshold and the
+member leaves -- are stacked over the iterations and sliced by the interpreter's scan like any site input, so each
+iteration's backward clips its own slice with its own threshold, and the scan's transpose stacks the clipped
+slices into the leaf's gradient. The rematerialised body (``remat`` inside the scan) is recomputed once, as in the
+non-private backward, and each layer's weights are used (gathered, under ZeRO-3) as often as there.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +85,7 @@ def local_groups(plan) -> tuple[dict, dict]:
                 f"data, but group {name!r} mixes parameters used at sites "
                 f"({sorted({plan.paths[s.view.leaf] for s in group_sites})}) with per-example fallback parameters "
                 f"({[plan.paths[i] for i in fallback]}); use groups='param-wise', or {way_out}")
-        if any(s.lengths for s in group_sites):
+        if any(s.lengths for s in group_sites) and group not in plan.iterations:
             site = next(s for s in group_sites if s.lengths)
             raise ValueError(
                 f"mode='fused' needs every clipping group local to one pass through its layer, but group {name!r} "
@@ -83,7 +93,8 @@ def local_groups(plan) -> tuple[dict, dict]:
                 f"{plan.paths[site.view.leaf]!r} is one parameter "
                 f"{'stacked over the iterations' if 'xs' in site.view.levels else 'shared by them'}, its group "
                 f"holds every iteration's gradient, and no iteration's clip coefficient is known before the "
-                f"backward has gone through all of them; {way_out}")
+                f"backward has gone through all of them; DPConfig(scan_groups='per-iteration') makes each "
+                f"iteration's slice a group of its own, or {way_out}")
         tied = [plan.paths[i] for i in leaves if sum(s.view.leaf == i for s in group_sites) > 1]
         scopes = {s.path[:-1] for s in group_sites}
         if tied or len(scopes) > 1:
@@ -126,10 +137,10 @@ def _finite(ops):
                 else o for o in ops]
 
 
-def _leaf_sq(site, view_grad):
+def _leaf_sq(site, view_grad, base_shape):
     """One example's squared norm (float32) of a leaf's gradient given the gradient of its view (through the view's
-    chain: a broadcast sums, a reshape or transpose keeps the norm)."""
-    base_shape = site.view.chain[0].invars[0].aval.shape if site.view.chain else view_grad.shape
+    chain from ``base_shape``, the leaf's or its per-iteration slice's: a broadcast sums, a reshape or transpose
+    keeps the norm)."""
     _, to_base = jax.vjp(lambda b: sites_lib.replay_chain(site, b, skip_casts=True).astype(jnp.float32),
                          jnp.zeros(base_shape, jnp.float32))
     (leaf_grad,) = to_base(view_grad.astype(jnp.float32))
@@ -175,6 +186,7 @@ def _fused_handler(plan, heads: dict, method: str, clip_fn: str, gamma: float):
         sink, keep, threshold, member_leaves = site_input
         members = [sites[p] for p in heads[site.path][1]]
         views = [sites_lib.replay_chain(m, leaf) for m, leaf in zip(members, member_leaves)]
+        bases = [leaf.shape for leaf in member_leaves]   # inside a scan: the per-iteration slices
         w = invals[site.param_operand]
         ops = [invals[i] for i in site.recorded]
         y_data = sites_lib.apply_site(site, jax.lax.stop_gradient(w), ops)
@@ -201,8 +213,8 @@ def _fused_handler(plan, heads: dict, method: str, clip_fn: str, gamma: float):
             g, member_grads = cotangents
             values = held if held else [jnp.zeros(shape, dtype) for shape, dtype in shapes]
             sq = jnp.where(ok, squared_norm(site, method, w, values, g).astype(jnp.float32), jnp.nan)
-            for m, grad in zip(members, member_grads):
-                sq = sq + _leaf_sq(m, grad)
+            for m, grad, base in zip(members, member_grads, bases):
+                sq = sq + _leaf_sq(m, grad, base)
             coef = clipping.coefficients(jnp.sqrt(sq).reshape(1, 1), jnp.reshape(threshold, (1,)),
                                          jnp.reshape(keep, (1,)), clip_fn, gamma)[0, 0]
             scaled = jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
@@ -241,14 +253,19 @@ def program_fused(cfg, plan, params, batch, mask):
                 local[i] = v
             inputs = {path: None for path in analysis.sites}
             for path, (group, members) in heads.items():
-                inputs[path] = (sinks_i[path], keep_i, thresholds[group],
+                # a group split per iteration (scan_groups="per-iteration") takes one sink, keep flag and threshold
+                # per iteration, and its stacked member leaves whole: the interpreter's scans slice them
+                lengths = plan.iterations.get(group, ())
+                inputs[path] = (sinks_i[path], jnp.broadcast_to(keep_i, lengths),
+                                thresholds[group:group + math.prod(lengths)].reshape(lengths),
                                 [local[analysis.sites[m].view.leaf] for m in members])
             (loss,) = run(plan.closed.jaxpr, plan.closed.consts, local + list(example), analysis, inputs, {},
                           handler=handler)
             return loss
         return jax.vmap(one, spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves), sinks, mask)
 
-    sinks = {path: jnp.zeros((size,), jnp.float32) for path in heads}
+    sinks = {path: jnp.zeros((size,) + tuple(plan.iterations.get(group, ())), jnp.float32)
+             for path, (group, _) in heads.items()}
     copies = [jnp.broadcast_to(leaves[i], (size,) + leaves[i].shape) for i in fallback]
     losses, pullback = jax.vjp(forward, [leaves[i] for i in site_leaves], copies, sinks)
     # An example with a non-finite loss gets a zero cotangent: its output gradients are zero (or non-finite, and
@@ -258,7 +275,9 @@ def program_fused(cfg, plan, params, batch, mask):
     n_groups = len(plan.group_names)
     sq = [jnp.zeros((size,), jnp.float32)] * n_groups
     for path, (group, _) in heads.items():
-        sq[group] = sq_of_head[path]
+        per_iteration = sq_of_head[path].reshape(size, -1)   # [B, 1], or [B, iterations] for a split group
+        for k in range(per_iteration.shape[1]):
+            sq[group + k] = per_iteration[:, k]
     per_example = dict(zip(fallback, fallback_ct))
     for group, members in fallback_groups.items():
         sq[group] = sum(jnp.sum(jnp.square(per_example[i].astype(jnp.float32)).reshape(size, -1), axis=1)

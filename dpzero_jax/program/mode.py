@@ -47,6 +47,10 @@ class ProgramPlan:
     thresholds: tuple[float, ...]
     batch_size: int
     front_end: str = "program"
+    # DPConfig.scan_groups="per-iteration": {first group index: enclosing scans' lengths} of each group split per
+    # iteration; its groups are numbered first + the iteration's index (row-major over the lengths), and group_of
+    # maps each of its leaves to the first
+    iterations: dict = dataclasses.field(default_factory=dict)
 
     def sites_of(self, leaf: int) -> list:
         return [s for s in self.analysis.sites.values() if s.view.leaf == leaf]
@@ -81,15 +85,53 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
     layer_order = [clipping.parent(paths[s.view.leaf]) for s in order]
     layer_order += [clipping.parent(paths[i]) for i in sorted(analysis.fallback)]
     group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
+    iterations = {}
+    if getattr(cfg, "scan_groups", "whole") == "per-iteration":
+        group_of, group_names, iterations = split_per_iteration(analysis, paths, group_of, group_names)
     thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
     return ProgramPlan(tuple(paths), closed, analysis, group_of, group_names, tuple(float(t) for t in thresholds),
-                       batch_size)
+                       batch_size, iterations=iterations)
+
+
+def split_per_iteration(analysis: Analysis, paths, group_of: dict, group_names: tuple):
+    """``DPConfig.scan_groups="per-iteration"``: ``(group_of, group_names, iterations)`` with every group whose
+    parameters are all stacked over the same scans (each site sees the leaf's per-iteration slice: levels all
+    ``"xs"``) split into one group per iteration, ``name[i]`` (``name[i,j]`` under nested scans). A group mixing
+    stacked and other parameters is refused with its name; groups without stacked parameters are unchanged."""
+    stacked = {}
+    for site in analysis.sites.values():
+        levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+        lengths = tuple(site.lengths) if levels and all(lv == "xs" for lv in levels) else None
+        stacked.setdefault(site.view.leaf, set()).add(lengths)
+    new_of, new_names, iterations = {}, [], {}
+    for group, name in enumerate(group_names):
+        members = [i for i, p in enumerate(paths) if group_of[p] == group]
+        kinds = {frozenset(stacked.get(i, {None})) for i in members}
+        first = len(new_names)
+        if kinds == {frozenset({None})}:
+            new_names.append(name)
+        elif len(kinds) == 1 and len(next(iter(kinds))) == 1:
+            (lengths,) = next(iter(kinds))
+            iterations[first] = lengths
+            new_names.extend(f"{name}[{','.join(map(str, index))}]" for index in np.ndindex(*lengths))
+        else:
+            described = {paths[i]: sorted(("not stacked" if k is None else "x".join(map(str, k))) for k in
+                                          stacked.get(i, {None})) for i in members}
+            raise ValueError(
+                f"DPConfig.scan_groups='per-iteration' splits a group per iteration of the scan its parameters are "
+                f"stacked over, but group {name!r} mixes parameters stacked differently or not at all "
+                f"({described}); use groups='layer-wise' or 'param-wise', or scan_groups='whole'")
+        for i in members:
+            new_of[paths[i]] = first
+    return new_of, tuple(new_names), iterations
 
 
 def concrete_mode(cfg, plan: ProgramPlan) -> str:
     """The mode ``cfg.mode`` runs as on the program front-end. ``"auto"``: book-keeping, unless sites sit inside
     remat regions -- book-keeping would keep their operands and undo the rematerialisation; ghost computes their
     norms in the rematerialised backward."""
+    if plan.iterations:   # per-iteration groups: only fused computes them (engine._front_end checked the mode)
+        return "fused"
     if cfg.mode != "auto":
         return cfg.mode
     return "ghost" if plan.analysis.rematerialised else "bk"
@@ -309,8 +351,17 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
             else:
                 how, nbytes = _explain_factored(leaf_sites, method, kernel, size)
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
-                     "group": plan.group_names[plan.group_of[path]], "why": why})
+                     "group": group_label(plan, plan.group_of[path]), "why": why})
     return rows
+
+
+def group_label(plan: ProgramPlan, group: int) -> str:
+    """A group's name; for a group split per iteration, the range of its groups (``name[0..L-1]``)."""
+    lengths = plan.iterations.get(group)
+    if not lengths:
+        return plan.group_names[group]
+    first, last = plan.group_names[group], plan.group_names[group + math.prod(lengths) - 1]
+    return f"{first[:-1]}..{last[last.rindex('[') + 1:]}"
 
 
 def _explain_factored(leaf_sites, method: str, kernel: str, size: int) -> tuple[str, int]:
