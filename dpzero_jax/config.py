@@ -220,10 +220,14 @@ class ClippingOptions(OptionGroup):
                               "per-example norms with XLA einsums or the tiled Pallas kernels (auto: xla for now)")
     micro_batch_size: int | None = option(None, MICROBATCH_SIZE,
                                           "physical chunk size (gradient accumulation; noise once per logical batch)")
+    scan_groups: str = option("whole", choice(SCAN_GROUPS),
+                              "groups of scanned, stacked layers: whole (a stacked weight is one parameter) or "
+                              "per-iteration (each layer of the stack its own; computed by mode fused in one "
+                              "backward pass: --groups layer-wise or param-wise)")
 
     def dp_config(self, noise_multiplier: float, **more) -> DPConfig:
         """The runtime :class:`DPConfig` of these options with ``noise_multiplier`` (``more``: its other fields,
         e.g. ``expected_batch_size``, ``noise_rng``)."""
         return DPConfig(noise_multiplier=noise_multiplier, max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn,
                         groups=self.groups, mode=self.mode, norm_kernel=self.norm_kernel,
-                        microbatch_size=self.micro_batch_size, **more)
+                        microbatch_size=self.micro_batch_size, scan_groups=self.scan_groups, **more)
