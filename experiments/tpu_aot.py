@@ -69,6 +69,9 @@ from bench_compiled import (  # noqa: E402  (a sibling script, imported without 
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
 VARIANTS = ("nonprivate", "dp")
+# not in the default run: layer-wise clipping with each layer of the scanned stack its own group
+# (DPConfig(groups="layer-wise", scan_groups="per-iteration"), computed by mode="fused": one backward pass)
+EXTRA_VARIANTS = ("dp-layerwise",)
 # gspmd-nohint: the gspmd step traced without dpzero_jax.spmd.batch_sharded (what the partitioner does unhinted)
 STRATEGIES = ("gspmd", "explicit", "gspmd-nohint")
 MIN_SHARD_ELEMENTS = 1024   # sharding.DEFAULT_MIN_SHARD_ELEMENTS (not imported: this module starts without JAX)
@@ -248,6 +251,8 @@ def make_step(case: Case, variant: str, strategy: str, graphdef, trainable, para
 
     cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode="auto", target="tpu",
                       expected_batch_size=global_batch, noise_rng="partitionable")
+    if variant == "dp-layerwise":
+        cfg = cfg.replace(mode="fused", groups="layer-wise", scan_groups="per-iteration")
     if strategy == "explicit":
         def gradient(p, batch, key, mask, frozen):
             loss = objective(frozen)
@@ -327,6 +332,9 @@ def measure(case: Case, variant: str, strategy: str, remat: str) -> dict:
     return {
         "mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         "temp_bytes": int(memory.temp_size_in_bytes),
+        # the compiler's own high-water mark (arguments, outputs and temporaries live at once; it can differ from
+        # their sum: bench_compiled.py's docstring)
+        "peak_bytes": int(getattr(memory, "peak_memory_in_bytes", 0) or 0) or None,
         "argument_bytes": int(memory.argument_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
@@ -414,7 +422,9 @@ def compile_kernels(topology: str, T: int = 1024, B: int = 1) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {tuple(CASES)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS + EXTRA_VARIANTS)} "
+                             f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--topology", default=None, help="compile every case for this topology instead of its own "
                         "(e.g. v5p:4x4x8 where v5e refuses); recorded under '<case>@<topology>'")
