@@ -86,7 +86,7 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
     layer_order += [clipping.parent(paths[i]) for i in sorted(analysis.fallback)]
     group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
     iterations = {}
-    if getattr(cfg, "scan_groups", "whole") == "per-iteration":
+    if cfg.scan_groups == "per-iteration":
         group_of, group_names, iterations = split_per_iteration(analysis, paths, group_of, group_names)
     thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
     return ProgramPlan(tuple(paths), closed, analysis, group_of, group_names, tuple(float(t) for t in thresholds),
