@@ -57,19 +57,19 @@ def per_iteration_reference(loss_fn, params, batch, stacked: dict, groups: str, 
 
 
 def check(loss_fn, params, batch, stacked: dict, groups: str, clip_fn: str = "abadi", mode: str = "fused",
-          mask=None, include=None, nonfinite: int = 0):
+          mask=None, include=None, nonfinite: int = 0, rtol: float = 1e-4, norm_rtol: float = 1e-5, **cfg_kwargs):
     _, norms, _ = per_iteration_reference(loss_fn, params, batch, stacked, groups, "abadi", 1.0, include)
     keep = np.ones(norms.shape[0], bool) if include is None else np.asarray(include, bool)
     r = ref.split_threshold(norms[keep]) * np.sqrt(norms.shape[1])   # clips some (example, group) pairs only
     expected, ref_norms, ref_coef = per_iteration_reference(loss_fn, params, batch, stacked, groups, clip_fn, r,
                                                             include)
     cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=float(r), clip_fn=clip_fn, groups=groups, mode=mode,
-                      scan_groups="per-iteration")
+                      scan_groups="per-iteration", **cfg_kwargs)
     _, grads, stats = ref.jit(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0), mask)
     assert stats.norms.shape == ref_norms.shape
-    np.testing.assert_allclose(np.asarray(stats.norms)[keep], ref_norms[keep], rtol=1e-5)
-    np.testing.assert_allclose(stats.clip_factors, ref_coef, rtol=1e-5, atol=1e-7)
-    assert_grads_close(grads, expected, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(stats.norms)[keep], ref_norms[keep], rtol=norm_rtol)
+    np.testing.assert_allclose(stats.clip_factors, ref_coef, rtol=norm_rtol, atol=1e-7)
+    assert_grads_close(grads, expected, rtol=rtol, floor=1e-6 if rtol <= 1e-4 else rtol)
     assert int(stats.num_nonfinite) == nonfinite
     return stats
 
@@ -109,7 +109,7 @@ def test_bundled_gpt2_scanned_and_rematerialised():
     assert stats.norms.shape[1] == 3 * 6 + 4
 
 
-def float_stack(layers: int = 3, d: int = 6, batch_size: int = 6):
+def float_stack(layers: int = 3, d: int = 6, batch_size: int = 6, dtype=None):
     keys = jax.random.split(jax.random.key(7), 5)
     params = {"layers": {"w": jax.random.normal(keys[0], (layers, d, d)) / np.sqrt(d),
                          "b": 0.1 * jax.random.normal(keys[1], (layers, d)),
@@ -120,7 +120,9 @@ def float_stack(layers: int = 3, d: int = 6, batch_size: int = 6):
 
     def loss_fn(p, b):
         def body(h, lp):
-            return jnp.tanh(h @ lp["w"] + lp["b"]) * lp["scale"], None
+            if dtype is not None:   # computed in half precision from float32 weights: casts in the views' chains
+                h, lp = h.astype(dtype), jax.tree.map(lambda x: x.astype(dtype), lp)
+            return (jnp.tanh(h @ lp["w"] + lp["b"]) * lp["scale"]).astype(jnp.float32), None
         h, _ = jax.lax.scan(body, b["x"], p["layers"])
         return class_loss(h.mean(1) @ p["head"], b["y"])
     return params, loss_fn, batch
@@ -138,6 +140,23 @@ def test_masks_and_a_nan_example(groups):
     clean = {k: v.at[3].set(0) for k, v in poisoned.items()}   # the reference never sees the NaN example's values
     stats = check_nan(loss_fn, params, poisoned, clean, stacked, groups, mask, include)
     assert int(stats.num_included) == int(include.sum())
+
+
+def test_bf16_compute_and_microbatches():
+    """float32 weights, bfloat16 layers inside the scan (the casts are part of each view's chain; the reference is
+    vmap(grad) of the same program), and microbatches of 2."""
+    params, loss_fn, batch = float_stack(dtype=jnp.bfloat16)
+    check(loss_fn, params, batch, stacked_leaves(params, "layers/"), "layer-wise", rtol=3e-2, norm_rtol=2e-2)
+
+    def cast_before_the_scan(p, b):   # the stacked leaves cast whole, then sliced: the chain starts at the leaf
+        def body(h, lp):
+            return (jnp.tanh(h.astype(jnp.bfloat16) @ lp["w"] + lp["b"]) * lp["scale"]).astype(jnp.float32), None
+        h, _ = jax.lax.scan(body, b["x"], jax.tree.map(lambda x: x.astype(jnp.bfloat16), p["layers"]))
+        return class_loss(h.mean(1) @ p["head"], b["y"])
+    check(cast_before_the_scan, params, batch, stacked_leaves(params, "layers/"), "layer-wise", rtol=3e-2,
+          norm_rtol=2e-2)
+    params, loss_fn, batch = float_stack()
+    check(loss_fn, params, batch, stacked_leaves(params, "layers/"), "layer-wise", microbatch_size=2)
 
 
 def check_nan(loss_fn, params, poisoned, clean, stacked, groups, mask, include):
