@@ -59,7 +59,7 @@ from dpzero_jax.decoder_shapes import (  # noqa: F401  (DecoderConfig, PRESETS, 
     resolve_model,
     weights,
 )
-from dpzero_jax.step_memory import Term, block_remat_terms, largest_phase, peak_bytes, phase_totals
+from dpzero_jax.step_memory import Term, block_remat_terms, largest_phase, non_private, peak_bytes, phase_totals
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -176,7 +176,7 @@ class MemoryPlan:
 
     def _block_rows(self, stage: str, half: bool, partition: str) -> list[tuple[str, int, str]]:
         """remat='block': the model states, then the compiled step's buffers by phase (step_memory)."""
-        non_dp = tuple(t for t in self.temporaries if not t.name.startswith("DP:"))
+        non_dp = non_private(self.temporaries)
         totals, totals_dp = phase_totals(non_dp), phase_totals(self.temporaries)
         rows = self._state_rows(half, partition)
         for term in self.temporaries:
@@ -280,9 +280,9 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
     buffers = tuple(norm_buffers(config, per_device, seq))
     dp_extra, terms = max(b.bytes for b in buffers), ()
     if remat == "block":   # the compiled step's buffers (step_memory): gathered weights are one of them
-        terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, n_params, zero, private=True,
+        terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, n_params, zero,
                                   replicas=devices // shards)
-        activations = peak_bytes(tuple(t for t in terms if not t.name.startswith("DP:")))
+        activations = peak_bytes(non_private(terms))
         dp_extra, gathered = peak_bytes(terms) - activations, 0
     else:
         activations = per_device * seq * (config.n_layer * block + head)

@@ -112,9 +112,9 @@ def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
 
 
 def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, shards: int, compute_bytes: int,
-                      n_params: int, zero: int, private: bool, replicas: int = 1) -> tuple[Term, ...]:
-    """The named buffers of a compiled step with ``remat='block'`` (see the module docstring); ``private``: also
-    the DP step's extra buffers (names starting with ``DP:``)."""
+                      n_params: int, zero: int, replicas: int = 1) -> tuple[Term, ...]:
+    """The named buffers of a compiled DP step with ``remat='block'`` (see the module docstring): the non-private
+    step's, then the DP step's extra ones (names starting with ``DP:``; :func:`non_private` leaves them out)."""
     b, t, c = batch_per_device, seq, compute_bytes
     d, v, h, layers = config.d_model, config.vocab, config.n_head, config.n_layer
     p_l = block_parameters(config)
@@ -137,13 +137,17 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     table = 3 * 4 * v * d if d_sharded else 0
     terms.append(Term("fp32 table gradient, unsharded", "table gradient", table if replicas > 1 else 0,
                       "3 x 4 V d (d-sharded table, data axis > 1)"))
-    if private:
-        terms.append(Term("DP: clipped + noised gradient shard", "always", 4 * -(-n_params // shards),
-                          "4 ceil(Psi / F)"))
-        terms.append(Term("DP: fp32 table gradient of the clipped sum", "table gradient",
-                          (4 * v * d if replicas > 1 else table) if d_sharded else 0,
-                          "4 V d (d-sharded table; 3 x 4 V d with no data axis)"))
+    terms.append(Term("DP: clipped + noised gradient shard", "always", 4 * -(-n_params // shards),
+                      "4 ceil(Psi / F)"))
+    terms.append(Term("DP: fp32 table gradient of the clipped sum", "table gradient",
+                      (4 * v * d if replicas > 1 else table) if d_sharded else 0,
+                      "4 V d (d-sharded table; 3 x 4 V d with no data axis)"))
     return tuple(terms)
+
+
+def non_private(terms: tuple[Term, ...]) -> tuple[Term, ...]:
+    """The non-private step's buffers among ``terms`` (those not named ``DP: ...``)."""
+    return tuple(t for t in terms if not t.name.startswith("DP:"))
 
 
 def phase_totals(terms: tuple[Term, ...]) -> dict[str, int]:

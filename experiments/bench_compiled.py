@@ -525,6 +525,12 @@ def resolved_auto(shape: Shape) -> dict:
     return found
 
 
+def peak_bytes(memory) -> int | None:
+    """The compiler's own high-water mark of the program's HBM (arguments, outputs and temporaries live at once;
+    it can differ from temp + arguments + outputs: module docstring, "temp and peak"); None where not reported."""
+    return int(getattr(memory, "peak_memory_in_bytes", 0) or 0) or None
+
+
 def measure(candidate: str, shape: Shape, mesh) -> dict:
     compiled, jaxpr, seconds = compile_candidate(candidate, shape, mesh)
     memory = compiled.memory_analysis()
@@ -535,9 +541,7 @@ def measure(candidate: str, shape: Shape, mesh) -> dict:
     logits_bytes = shape.B * shape.T * shape.vocab * 4
     result = {
         "temp_bytes": int(memory.temp_size_in_bytes),
-        # the compiler's own high-water mark of the program's HBM (arguments, outputs and temporaries live at once);
-        # it can differ from temp + arguments + outputs (module docstring, "temp and peak")
-        "peak_bytes": int(getattr(memory, "peak_memory_in_bytes", 0) or 0) or None,
+        "peak_bytes": peak_bytes(memory),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),

@@ -63,6 +63,7 @@ from bench_compiled import (  # noqa: E402  (a sibling script, imported without 
     collective_shapes,
     load,
     parse_collectives,
+    peak_bytes,
     require_libtpu,
     save,
 )
@@ -332,9 +333,7 @@ def measure(case: Case, variant: str, strategy: str, remat: str) -> dict:
     return {
         "mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         "temp_bytes": int(memory.temp_size_in_bytes),
-        # the compiler's own high-water mark (arguments, outputs and temporaries live at once; it can differ from
-        # their sum: bench_compiled.py's docstring)
-        "peak_bytes": int(getattr(memory, "peak_memory_in_bytes", 0) or 0) or None,
+        "peak_bytes": peak_bytes(memory),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),

@@ -35,7 +35,7 @@ def split_stacked(grads: dict, stacked: dict) -> dict:
     return out
 
 
-def group_name(groups: str, stacked: dict):
+def group_name(groups: str):
     def name(pseudo: str) -> str:
         path, _, index = pseudo.partition("[")
         base = path if groups == "param-wise" else ref.parent(path)
@@ -47,7 +47,7 @@ def per_iteration_reference(loss_fn, params, batch, stacked: dict, groups: str, 
                             include=None):
     """``(grads {path: array}, norms [B, M], coef [B, M])`` with the stacked leaves' slices as parameters."""
     per_example = split_stacked(ref.per_example_grads(loss_fn, params, batch), stacked)
-    grads, norms, coef = ref.private_grads(per_example, group_name(groups, stacked), clip_fn,
+    grads, norms, coef = ref.private_grads(per_example, group_name(groups), clip_fn,
                                            max_grad_norm=max_grad_norm, include=include)
     whole = {}
     for path in ref.paths(params):
@@ -57,12 +57,16 @@ def per_iteration_reference(loss_fn, params, batch, stacked: dict, groups: str, 
 
 
 def check(loss_fn, params, batch, stacked: dict, groups: str, clip_fn: str = "abadi", mode: str = "fused",
-          mask=None, include=None, nonfinite: int = 0, rtol: float = 1e-4, norm_rtol: float = 1e-5, **cfg_kwargs):
-    _, norms, _ = per_iteration_reference(loss_fn, params, batch, stacked, groups, "abadi", 1.0, include)
+          mask=None, include=None, nonfinite: int = 0, rtol: float = 1e-4, norm_rtol: float = 1e-5,
+          reference_batch=None, **cfg_kwargs):
+    """The engine on ``batch`` against the reference on ``reference_batch`` (default ``batch``; a NaN example's
+    values zeroed there, since the reference excludes it through ``include``)."""
+    reference_batch = batch if reference_batch is None else reference_batch
+    _, norms, _ = per_iteration_reference(loss_fn, params, reference_batch, stacked, groups, "abadi", 1.0, include)
     keep = np.ones(norms.shape[0], bool) if include is None else np.asarray(include, bool)
     r = ref.split_threshold(norms[keep]) * np.sqrt(norms.shape[1])   # clips some (example, group) pairs only
-    expected, ref_norms, ref_coef = per_iteration_reference(loss_fn, params, batch, stacked, groups, clip_fn, r,
-                                                            include)
+    expected, ref_norms, ref_coef = per_iteration_reference(loss_fn, params, reference_batch, stacked, groups,
+                                                            clip_fn, r, include)
     cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=float(r), clip_fn=clip_fn, groups=groups, mode=mode,
                       scan_groups="per-iteration", **cfg_kwargs)
     _, grads, stats = ref.jit(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0), mask)
@@ -138,7 +142,9 @@ def test_masks_and_a_nan_example(groups):
     include = np.asarray(mask).copy()
     include[3] = False
     clean = {k: v.at[3].set(0) for k, v in poisoned.items()}   # the reference never sees the NaN example's values
-    stats = check_nan(loss_fn, params, poisoned, clean, stacked, groups, mask, include)
+    stats = check(loss_fn, params, poisoned, stacked, groups, mask=mask, include=include, nonfinite=1,
+                  reference_batch=clean)
+    assert np.all(np.asarray(stats.clip_factors)[~include] == 0)
     assert int(stats.num_included) == int(include.sum())
 
 
@@ -157,22 +163,6 @@ def test_bf16_compute_and_microbatches():
           norm_rtol=2e-2)
     params, loss_fn, batch = float_stack()
     check(loss_fn, params, batch, stacked_leaves(params, "layers/"), "layer-wise", microbatch_size=2)
-
-
-def check_nan(loss_fn, params, poisoned, clean, stacked, groups, mask, include):
-    _, norms, _ = per_iteration_reference(loss_fn, params, clean, stacked, groups, "abadi", 1.0, include)
-    r = ref.split_threshold(norms[include]) * np.sqrt(norms.shape[1])
-    expected, ref_norms, ref_coef = per_iteration_reference(loss_fn, params, clean, stacked, groups, "abadi", r,
-                                                            include)
-    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=float(r), groups=groups, mode="fused",
-                      scan_groups="per-iteration")
-    _, grads, stats = ref.jit(dz.private_value_and_grad(loss_fn, cfg))(params, poisoned, jax.random.key(0), mask)
-    np.testing.assert_allclose(np.asarray(stats.norms)[include], ref_norms[include], rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(stats.clip_factors)[include], ref_coef[include], rtol=1e-5, atol=1e-7)
-    assert np.all(np.asarray(stats.clip_factors)[~include] == 0)
-    assert_grads_close(grads, expected, rtol=1e-4)
-    assert int(stats.num_nonfinite) == 1
-    return stats
 
 
 def test_noise_is_calibrated_to_all_the_groups():
