@@ -24,8 +24,9 @@ Two layouts (``RMMConfig.projection``):
 The key is an explicit array: a fresh one must be supplied every step (:func:`keyed_objective`; reusing a key
 reuses ``S``: each step's estimate stays unbiased but the steps' errors are correlated).
 
-Use: ``convert_to_rmm(model, RMMConfig(sketch="gaussian", rate=0.2))`` swaps ``dz.nn.Linear`` / ``DenseGeneral``
-layers for :class:`RMMDense` in place (same parameters, same paths); then
+Use: ``convert_to_rmm(model, RMMConfig(sketch="gaussian", rate=0.2))`` swaps dense layers -- ``dz.nn.Linear`` /
+``DenseGeneral``, and Flax's ``nnx.Linear`` / ``nnx.LinearGeneral`` -- for :class:`RMMDense` in place (same
+parameters, same paths); then
 ``params, loss_for_key = keyed_objective(dz.models.classification_objective, model)`` and, in every step,
 ``loss_fn = loss_for_key(step_key)``.
 """
@@ -47,7 +48,7 @@ from dpzero_jax.rules.linear import LINEAR, LinearSpec
 from dpzero_jax.rules.rmm import RMM_LINEAR, RMMSpec, positions_view
 from dpzero_jax.sketch import PROJECTIONS, SKETCHES, RMMConfig, as_key, project, sketch_matrix
 
-__all__ = ["PROJECTIONS", "SKETCHES", "RMMConfig", "RMMDense", "RMMKey", "RMMSpec", "convert_to_rmm",
+__all__ = ["CONVERTIBLE", "PROJECTIONS", "SKETCHES", "RMMConfig", "RMMDense", "RMMKey", "RMMSpec", "convert_to_rmm",
            "fresh_keys", "keyed_objective", "randomized_dense", "rmm_dense", "sketch_matrix"]
 
 Array = jax.Array
@@ -165,12 +166,15 @@ class RMMKey(nnx.Variable):
 class RMMDense(nnx.Module):
     """RMM linear layer ``[B, *T, *in_shape] -> [B, *T, *out_shape]`` (kernel ``[*in_shape, *out_shape]``).
 
-    Holds ``kernel`` and ``bias`` (``nnx.Param``, same names and shapes as ``dz.nn.Linear`` / ``DenseGeneral``),
-    the sketch key (:class:`RMMKey`) and its :class:`RMMConfig`. Build one from scratch with :meth:`create` or
-    from an existing layer with :meth:`from_layer` (what :func:`convert_to_rmm` does).
+    Holds ``kernel`` and ``bias`` (``nnx.Param``, same names and shapes as ``dz.nn.Linear`` / ``DenseGeneral`` and
+    ``nnx.Linear`` / ``LinearGeneral``), the sketch key (:class:`RMMKey`) and its :class:`RMMConfig`; ``dtype``:
+    the compute dtype the input, kernel and bias are cast to (``None``: the input's; a converted ``nnx.Linear``
+    keeps its own). Build one from scratch with :meth:`create` or from an existing layer with :meth:`from_layer`
+    (what :func:`convert_to_rmm` does).
     """
 
-    def __init__(self, kernel: nnx.Param, bias: nnx.Param | None, key, config: RMMConfig, *, n_in: int = 1):
+    def __init__(self, kernel: nnx.Param, bias: nnx.Param | None, key, config: RMMConfig, *, n_in: int = 1,
+                 dtype=None):
         if not isinstance(config, RMMConfig):
             raise TypeError(f"config must be an RMMConfig, got {type(config).__name__}")
         if not 1 <= n_in < kernel[...].ndim:
@@ -178,6 +182,7 @@ class RMMDense(nnx.Module):
         self.kernel, self.bias = kernel, bias
         self.key = RMMKey(as_key(key))
         self.config, self.n_in = config, n_in
+        self.dtype = None if dtype is None else jnp.dtype(dtype).name
 
     @classmethod
     def create(cls, in_shape: int | Sequence[int], out_shape: int | Sequence[int], config: RMMConfig, *,
@@ -191,24 +196,57 @@ class RMMDense(nnx.Module):
         return cls(kernel, bias, rngs.params(), config, n_in=len(in_shape))
 
     @classmethod
-    def from_layer(cls, layer: nn.Linear | nn.DenseGeneral, config: RMMConfig, key) -> RMMDense:
-        """The RMM version of a ``dz.nn.Linear`` / ``DenseGeneral`` with the same parameter values."""
-        if isinstance(layer, nn.Linear):
-            n_in = 1
-        elif isinstance(layer, nn.DenseGeneral):
-            n_in = len(layer.in_shape)
-        else:
-            raise TypeError(f"from_layer converts dz.nn.Linear or DenseGeneral, got {type(layer).__name__}")
-        if nn.stacked_axes(layer):
+    def from_layer(cls, layer: nn.Linear | nn.DenseGeneral | nnx.Linear | nnx.LinearGeneral, config: RMMConfig,
+                   key) -> RMMDense:
+        """The RMM version of a dense layer (:data:`CONVERTIBLE`) with the same parameter values (and, for Flax's
+        own layers, the same compute dtype)."""
+        in_shape, out_shape, dtype = _dense_layout(layer)
+        kernel = layer.kernel[...]
+        if tuple(kernel.shape) != in_shape + out_shape:
             raise ValueError(f"RMM layers replace unstacked dense layers; this one's kernel has shape "
-                             f"{tuple(layer.kernel[...].shape)} (stacked for a scan, e.g. GPT2Config.scan_layers): "
-                             "build the model unrolled to use RMM")
+                             f"{tuple(kernel.shape)} (stacked for a scan, e.g. GPT2Config.scan_layers or "
+                             "LlamaConfig.scan_layers): build the model unrolled to use RMM")
         bias = None if layer.bias is None else nnx.Param(layer.bias[...])
-        return cls(nnx.Param(layer.kernel[...]), bias, key, config, n_in=n_in)
+        return cls(nnx.Param(kernel), bias, key, config, n_in=len(in_shape), dtype=dtype)
 
     def __call__(self, x: Array) -> Array:
+        kernel = self.kernel[...]
         bias = None if self.bias is None else self.bias[...]
-        return rmm_dense(x, self.kernel[...], bias, self.key[...], config=self.config, n_in=self.n_in)
+        if self.dtype is not None:   # as Flax's dense layers promote: input and weights in the compute dtype
+            x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+            bias = None if bias is None else bias.astype(self.dtype)
+        return rmm_dense(x, kernel, bias, self.key[...], config=self.config, n_in=self.n_in)
+
+
+# The dense layers convert_to_rmm converts: this project's and Flax NNX's own.
+CONVERTIBLE = (nn.Linear, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
+
+
+def _dense_layout(layer) -> tuple[tuple[int, ...], tuple[int, ...], str | None]:
+    """``(in_shape, out_shape, compute dtype)`` of a dense layer of :data:`CONVERTIBLE`; a layer whose computation an
+    RMM layer would not reproduce (a custom ``dot_general``, ``precision``, contracted axes that are not the
+    trailing ones, batch axes) is refused with the reason."""
+    if isinstance(layer, (nn.Linear, nn.DenseGeneral)):
+        in_shape, out_shape = nn.dense_shapes(layer)
+        return tuple(in_shape), tuple(out_shape), None
+    if not isinstance(layer, (nnx.Linear, nnx.LinearGeneral)):
+        raise TypeError(f"RMM layers replace dz.nn.Linear / DenseGeneral or nnx.Linear / LinearGeneral, got "
+                        f"{type(layer).__name__}")
+    name = type(layer).__name__
+    for attribute in ("dot_general", "dot_general_cls", "precision", "preferred_element_type"):
+        if getattr(layer, attribute, None) not in (None, jax.lax.dot_general):   # Flax's defaults
+            raise ValueError(f"cannot convert this nnx.{name} to an RMM layer: it sets {attribute}="
+                             f"{getattr(layer, attribute)!r}, which an RMM layer does not reproduce")
+    if isinstance(layer, nnx.Linear):
+        in_shape, out_shape = (layer.in_features,), (layer.out_features,)
+    else:
+        in_shape, out_shape = tuple(layer.in_features), tuple(layer.out_features)
+        trailing = tuple(range(-len(in_shape), 0))
+        if tuple(layer.axis) != trailing or layer.batch_axis:
+            raise ValueError(f"cannot convert this nnx.LinearGeneral to an RMM layer: it contracts axes "
+                             f"{tuple(layer.axis)} with batch axes {dict(layer.batch_axis)}; RMM layers contract the "
+                             f"trailing axes {trailing} only")
+    return in_shape, out_shape, None if layer.dtype is None else jnp.dtype(layer.dtype).name
 
 
 def _path_name(path) -> str:
@@ -218,7 +256,8 @@ def _path_name(path) -> str:
 def convert_to_rmm(model: nnx.Module, config: RMMConfig | None = None, *, sketch: str | None = None,
                    rate: float | None = None, private: bool | None = None,
                    where: Callable[[str, nnx.Module], bool] | None = None, seed: int = 0) -> nnx.Module:
-    """Swap the ``dz.nn.Linear`` / ``DenseGeneral`` layers of ``model`` for :class:`RMMDense`, in place.
+    """Swap the dense layers of ``model`` (:data:`CONVERTIBLE`: ``dz.nn.Linear`` / ``DenseGeneral``, ``nnx.Linear``
+    / ``nnx.LinearGeneral``) for :class:`RMMDense`, in place.
 
     Give ``config``, or ``sketch`` and ``rate`` (then ``private`` picks the layout: ``True`` -> ``"tokens"``, the
     DP variant; ``False`` -> ``"rows"``, paper 002). ``where(path, layer)`` selects the layers to convert (path
@@ -234,7 +273,7 @@ def convert_to_rmm(model: nnx.Module, config: RMMConfig | None = None, *, sketch
     elif sketch is not None or rate is not None or private is not None:
         raise ValueError("convert_to_rmm: give either config or sketch/rate/private, not both")
     targets = [(path, m) for path, m in nnx.iter_modules(model)
-               if isinstance(m, (nn.Linear, nn.DenseGeneral)) and (where is None or where(_path_name(path), m))]
+               if isinstance(m, CONVERTIBLE) and (where is None or where(_path_name(path), m))]
     base = jax.random.key(seed)
     for j, (path, layer) in enumerate(targets):
         new = RMMDense.from_layer(layer, config, jax.random.fold_in(base, j))

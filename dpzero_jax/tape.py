@@ -22,6 +22,9 @@ the layer *is* (by identity) a leaf of the ``params`` being differentiated.
 * ``FusedTape`` (in :mod:`dpzero_jax.modes.fused`): a ``custom_vjp`` per layer whose backward computes the
   layer's norms, the clip coefficients of its (layer-local) groups and the clipped weight gradient in one go.
 * :class:`GatherTape`: no DP work; only for parameters stored as shards (below). The non-private counterpart.
+* :class:`ProgramTape`: the traced-program front-end's trace (:mod:`dpzero_jax.program`): no DP work either; each
+  layer is traced as its rule's ``program_apply`` (for most rules its ``apply``), so the front-end, which reads
+  per-example gradients off the jaxpr, sees the gradient the rule defines.
 
 Every tape keeps of a layer input what its rule asks for (``rules.stored_input``: ``x`` itself, or less, such as
 the random projection ``S^T x`` of an RMM layer) and forms the input cotangent with ``rules.input_grad``.
@@ -250,6 +253,19 @@ def _regathering_layer(rule, spec, gather, scatter, trainable, frozen, x):
     layer = jax.custom_vjp(forward)
     layer.defvjp(forward_with_residuals, backward)
     return layer(trainable, frozen, x)
+
+
+class ProgramTape:
+    """The tape of the traced-program front-end's trace (:func:`dpzero_jax.program.mode.plan_program`): each DP
+    layer call becomes ``rule.program_apply`` -- ordinary JAX whose autodiff is the rule's per-example gradient.
+    Equal to ``rule.apply`` except where the rule's gradient is not the derivative of its forward (an RMM layer:
+    exact output, sketched weight gradient; :meth:`dpzero_jax.rules.rmm.RMMLinearRule.program_apply`). Keeps
+    nothing and knows no leaves: the front-end finds them in the jaxpr."""
+
+    layout = None
+
+    def call(self, rule, spec, params, x):
+        return rule.program_apply(params, x, spec)
 
 
 class GatherTape(_Tape):

@@ -26,7 +26,6 @@ from dpzero_jax import (
     sharding,
     text,
 )
-from dpzero_jax import nn as dz_nn
 from dpzero_jax.accounting import run as run_privacy
 from dpzero_jax.config import DPConfig
 from dpzero_jax.data import load_dataset
@@ -134,10 +133,10 @@ def _apply_rmm(cfg: TrainConfig, model: nnx.Module, trainable: peft.Trainable) -
         return path != "head" and not path.startswith("head/") and f"{path}/kernel" in trained
 
     if not any(where(peft.path_name(path), m) for path, m in nnx.iter_modules(model)
-               if isinstance(m, (dz_nn.Linear, dz_nn.DenseGeneral))):   # what convert_to_rmm converts
-        raise ValueError(f"TrainConfig.rmm={cfg.rmm!r}: no dpzero_jax.nn dense layer besides the head has a trainable "
-                         f"kernel (peft={cfg.peft!r}; Flax's nnx.Linear, as in Llama, is not converted), so there is "
-                         f"nothing to convert")
+               if isinstance(m, rmm.CONVERTIBLE)):   # what convert_to_rmm converts
+        raise ValueError(f"TrainConfig.rmm={cfg.rmm!r}: no dense layer (dpzero_jax.nn.Linear / DenseGeneral, "
+                         f"nnx.Linear / LinearGeneral) besides the head has a trainable kernel (peft={cfg.peft!r}), "
+                         f"so there is nothing to convert")
     if cfg.model == "mlp" and not cfg.no_dp:
         warnings.warn("rmm under DP compresses each example's tokens, and the MLP's dense layers see one per "
                       "example: B_proj = 1 keeps the whole input (no memory saved), the orthogonal and Rademacher "

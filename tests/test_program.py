@@ -323,6 +323,30 @@ def test_position_tables_at_constant_indices_are_sites_not_fallbacks():
         check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, floor=1e-4)
 
 
+def test_uses_under_stop_gradient_carry_no_gradient_and_force_no_fallback():
+    """A parameter also used under ``lax.stop_gradient`` (a frozen copy, a target network): that use passes no
+    gradient, so it is a constant to the plan -- the other use stays a ``dot`` site instead of making the whole leaf
+    a fallback -- and the clipped gradients equal ``vmap(grad)``'s."""
+    keys = jax.random.split(jax.random.key(13), 2)
+    params = {"w": jax.random.normal(keys[0], (D, D)) / 3, "head": jax.random.normal(keys[1], (D, 3))}
+    rng = np.random.default_rng(8)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["w"])
+        frozen = jax.lax.stop_gradient(p)                                       # no gradient through it
+        target = jnp.tanh(b["x"] @ frozen["w"].T) @ frozen["head"]
+        logits = h.mean(1) @ p["head"] + 0.5 * target.mean(1)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][:, None], 1)[:, 0]
+
+    rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dz.DPConfig(), params, batch).rows}
+    assert (rows["w"]["rule"], rows["head"]["rule"]) == ("dot", "dot")
+    setup = Setup("stop-gradient", params, loss_fn, batch, ())
+    for mode in ("bk", "ghost"):
+        check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode)
+
+
 def test_pallas_norm_kernels_on_the_program_front_end():
     """``norm_kernel="pallas"`` (interpreted on CPU) computes the factored norms and sums of program sites too."""
     check_private(SETUPS["plain"](), clip_fn="abadi", groups="param-wise", mode="bk", norm_kernel="pallas",

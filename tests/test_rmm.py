@@ -20,6 +20,7 @@ from helpers import Setup, build, check_private
 import dpzero_jax as dz
 from dpzero_jax import rmm
 from dpzero_jax import rmm_diagnostics as rd
+from dpzero_jax.program import mode as program_mode
 from dpzero_jax.sketch import SKETCHES, RMMConfig, sketch_matrix
 from dpzero_jax.train import TrainConfig, Trainer
 
@@ -294,6 +295,84 @@ def test_bias_only_training_of_rmm_layers(mode):
         assert len(calls) == 2 and all(saved is None for saved, _ in calls.values())
 
 
+@pytest.mark.parametrize("mode,groups,sketch", [("bk", "all-layer", "gaussian"), ("ghost", "layer-wise", "dct"),
+                                                 ("fused", "param-wise", "rademacher"), ("auto", "all-layer", "dft")])
+def test_program_front_end_clips_the_per_example_estimates(mode, groups, sketch):
+    """The traced-program front-end (any JAX model) sees an RMM layer as its rule's program form: the written-out
+    per-example estimates, in every mode it computes."""
+    setup, _ = two_layer_setup(sketch, seed=1)
+    check_private(setup, clip_fn="abadi", groups=groups, mode=mode, front_end="program")
+
+
+class FlaxTokenModel(nnx.Module):
+    """Flax's own layers only: a LayerNorm, a LinearGeneral over two trailing axes, a Linear head."""
+
+    def __init__(self, rngs: nnx.Rngs, dtype=None):
+        self.norm = nnx.LayerNorm(F, rngs=rngs)
+        self.up = nnx.Linear(F, 6, dtype=dtype, rngs=rngs)
+        self.mix = nnx.LinearGeneral((2, 3), (5,), axis=(-2, -1), dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(5, P, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.up(self.norm(x)))
+        return self.head(jnp.tanh(self.mix(h.reshape(h.shape[:-1] + (2, 3)))))
+
+
+def _token_loss(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, batch):
+        y = nnx.merge(graphdef, params, rest)(batch["x"])
+        return jnp.sum(jnp.sin(y) * batch["w"], axis=(1, 2))
+    return params, loss_fn
+
+
+def test_flax_dense_layers_convert_and_clip_by_the_program_front_end():
+    """``convert_to_rmm`` takes ``nnx.Linear`` / ``nnx.LinearGeneral`` (same outputs, same parameter paths); the
+    model then mixes RMM layers with a Flax LayerNorm, which the traced-program front-end plans: the RMM kernels are
+    ``dot`` sites that keep ``S^T a`` (``[k, F]`` per example, not the input), and the clipped gradients equal
+    those of ``vmap(grad)`` through the RMM layers' own backward (the estimates; not the exact gradients)."""
+    model = FlaxTokenModel(nnx.Rngs(0))
+    rng = np.random.default_rng(4)
+    batch = {"x": jnp.asarray(rng.normal(size=(5, T, F)), jnp.float32),
+             "w": jnp.asarray(rng.normal(size=(5, T, P)), jnp.float32)}
+    exact_params, exact_loss = _token_loss(model)
+    before = exact_loss(exact_params, batch)
+    rmm.convert_to_rmm(model, RMMConfig(sketch="gaussian", rate=0.5), where=lambda path, _: path != "head")
+    assert sorted(rmm.rmm_layers(model)) == ["mix", "up"]
+    params, loss_fn = _token_loss(model)
+    assert ref.paths(params) == ref.paths(exact_params)
+    np.testing.assert_allclose(loss_fn(params, batch), before, rtol=1e-5)
+    setup = Setup("rmm-flax", params, loss_fn, batch, ("norm", "up", "mix", "head"))
+    exact = ref.per_example_grads(exact_loss, exact_params, batch)["up/kernel"]
+    assert np.linalg.norm(setup.grads["up/kernel"] - exact) > 0.1 * np.linalg.norm(exact)
+    for mode, groups in (("bk", "all-layer"), ("ghost", "layer-wise"), ("auto", "param-wise")):
+        check_private(setup, clip_fn="abadi", groups=groups, mode=mode)
+    plan = dz.explain_plan(loss_fn, dz.DPConfig(noise_multiplier=1.0, expected_batch_size=5), params, batch)
+    assert plan.front_end == "program"
+    rows = {row["path"]: row for row in plan.rows}
+    assert rows["up/kernel"]["rule"] == "dot" and rows["mix/kernel"]["rule"] == "dot"
+    k = RMMConfig(sketch="gaussian", rate=0.5).projected_size(T)
+    # the kept operand of each RMM kernel's site is S^T a [k, F] (one example), not the input a [T, F]
+    planned = program_mode.plan_program(loss_fn, dz.DPConfig(), params, batch, ref.paths(params), 5)
+    kept = {planned.paths[site.view.leaf]: [site.eqn.invars[i].aval.shape for i in site.recorded]
+            for site in planned.analysis.sites.values() if site.kind == "dot"}
+    assert kept["up/kernel"] == [(1, k, F)] and kept["mix/kernel"] == [(1, k, 6)], kept
+
+
+def test_converted_flax_layers_keep_their_compute_dtype_and_refuse_what_rmm_does_not_reproduce():
+    model = FlaxTokenModel(nnx.Rngs(0), dtype=jnp.bfloat16)
+    x = jnp.ones((2, T, F))
+    rmm.convert_to_rmm(model, RMMConfig(sketch="dct", rate=0.5), where=lambda path, _: path != "head")
+    assert model.up.dtype == "bfloat16" and model.up(x).dtype == jnp.bfloat16
+    odd = nnx.LinearGeneral((T,), (3,), axis=(-2,), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"contracts axes \(-2,\).*trailing axes \(-1,\) only"):
+        rmm.convert_to_rmm(odd, RMMConfig(rate=0.5))
+    precise = nnx.Linear(F, 3, precision=jax.lax.Precision.HIGHEST, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="it sets precision="):
+        rmm.convert_to_rmm(precise, RMMConfig(rate=0.5))
+
+
 def test_per_example_estimates_are_not_the_exact_gradients():
     """The reference above is the RMM estimate, not the exact gradient; ``vmap(grad)`` through the layer's own
     backward gives the same estimates (the engine's vmap mode relies on it)."""
@@ -516,7 +595,8 @@ def test_rmm_options_the_trainer_refuses_or_warns_about(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["train", "--rmm", "dct", flag, value])
         assert exit_info.value.code == 2 and flag in capsys.readouterr().err
-    with pytest.raises(ValueError, match="no dpzero_jax.nn dense layer besides the head has a trainable kernel"):
+    nothing = r"no dense layer \(dpzero_jax.nn.Linear / DenseGeneral, nnx.Linear / LinearGeneral\) besides the head"
+    with pytest.raises(ValueError, match=nothing):
         Trainer(TrainConfig(out=str(tmp_path), rmm="dct", peft="bitfit", steps=2, **TRAIN))
     with pytest.warns(UserWarning, match="the MLP's dense layers see one per example"):
         Trainer(TrainConfig(out=str(tmp_path), rmm="dct", steps=2, **TRAIN))

@@ -199,6 +199,8 @@ def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> li
     params_in = [k for k in kinds if _is_param(k)]
     if not params_in:
         return [_join(kinds)] * n_out
+    if name == "stop_gradient":  # no gradient flows back through it: parameters become constants
+        return [DATA if kinds[0] == DATA else CONST]
     if name == "scan":
         analysis.primitives[here] = name
         return _classify_scan(eqn, kinds, analysis, here, lengths)

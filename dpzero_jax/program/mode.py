@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpzero_jax import clipping, pergrad, spmd
+from dpzero_jax import tape as tape_lib
 from dpzero_jax.program import conv
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
@@ -70,7 +71,8 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
     example_leaves, example_treedef = jax.tree.flatten(batch)
     abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
     abstract_example = [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in example_leaves]
-    closed = jax.make_jaxpr(_single_example(loss_fn, treedef, example_treedef))(abstract, abstract_example)
+    with tape_lib.active(tape_lib.ProgramTape()):   # DP layers as their rules' program form (an RMM estimate)
+        closed = jax.make_jaxpr(_single_example(loss_fn, treedef, example_treedef))(abstract, abstract_example)
     analysis = Analysis()
     kinds = [View(i) for i in range(len(leaves))] + [DATA] * len(example_leaves)
     outs = analyze(closed.jaxpr, kinds, analysis)

@@ -44,7 +44,9 @@ class LayerRule(abc.ABC):
       them (a linear layer's kernel and bias); casting such a parameter to a narrower input dtype earlier changes
       no result, so a sharded copy can be gathered in that dtype (:func:`dpzero_jax.rules.gather_dtype`);
     * :meth:`residual` (default: the input itself): what the tapes keep of the input for the backward pass;
-    * :meth:`input_grad` (default: the VJP of :meth:`apply`): the input cotangent from what was kept.
+    * :meth:`input_grad` (default: the VJP of :meth:`apply`): the input cotangent from what was kept;
+    * :meth:`program_apply` (default: :meth:`apply`): the layer as the traced-program front-end sees it, a plain
+      program whose autodiff gives the rule's per-example gradients (:class:`dpzero_jax.tape.ProgramTape`).
 
     A rule that overrides :meth:`residual` (:attr:`keeps_residual`) cannot gather sharded weights layer by layer
     in book-keeping (the tapes refuse it), and its output gets a data dependency on the residual
@@ -82,6 +84,14 @@ class LayerRule(abc.ABC):
             return None
         _, pullback = jax.vjp(lambda x_: self.apply(params, x_, spec), saved)
         return pullback(g)[0]
+
+    def program_apply(self, params: Mapping[str, jax.Array | None], x: jax.Array, spec: Any) -> jax.Array:
+        """``y [B, ...]`` as a program for the traced-program front-end (:mod:`dpzero_jax.program`), which finds
+        per-example gradients by analysing the jaxpr: the same value as :meth:`apply`, written so that each
+        parameter's gradient through it is the one :meth:`per_example_grads` describes. Default: :meth:`apply`
+        (its autodiff gradient is that one); a rule whose gradient is not its forward's derivative (an RMM layer's
+        sketched estimate) overrides it."""
+        return self.apply(params, x, spec)
 
     @property
     def keeps_residual(self) -> bool:

@@ -74,6 +74,29 @@ class RMMLinearRule(LayerRule):
         dx = jnp.matmul(g.reshape(lead + (w2.shape[1],)), w2.T)
         return dx.reshape(lead + in_shape).astype(saved.dtype)
 
+    def program_apply(self, params, x, spec: RMMSpec):
+        """``y`` for the traced-program front-end: ``x . stop_gradient(W) + b + (z - stop_gradient(z))`` with
+        ``z = S ((S^T a) W)`` and ``S^T a`` held without gradient. The value is the exact output (``z - z = 0``);
+        the kernel's gradient flows only through the ``dot`` of ``S^T a [B, k, F]`` with ``W``, whose output
+        gradient is ``S^T g``: the front-end sees an ordinary ``dot`` site with the factors ``(S^T a, S^T g)`` --
+        the estimate :meth:`per_example_grads` describes -- and keeps ``S^T a``, not ``a``. ``dL/dx = g W^T`` and
+        the bias gradient are exact. Costs one extra ``[k, F] x [F, P]`` product and one application of ``S`` per
+        example in the forward."""
+        if spec.config.projection != "tokens":
+            self.residual(params, x, spec)   # refuses the batch-mixing layout, with the reason
+        kernel, key = params["kernel"], params["key"]
+        y = LINEAR.apply({"kernel": jax.lax.stop_gradient(kernel), "bias": params.get("bias")}, x,
+                         LinearSpec(n_in=spec.n_in))
+        kept = jax.lax.stop_gradient(self.residual(params, x, spec))                 # S^T a [B, k, F]
+        in_shape, out_shape = _split_kernel(kernel.shape, spec.n_in)
+        w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(kept.dtype)
+        projected = jnp.matmul(kept, w2)                                             # (S^T a) W [B, k, P]
+        positions = positions_view(y, len(out_shape))                                # [B, T, P]
+        _, apply_sketch = jax.vjp(lambda v: project(key, v, kept.shape[1], spec.config.sketch),
+                                  jnp.zeros(positions.shape, projected.dtype))
+        (z,) = apply_sketch(projected)                                               # S (S^T a) W [B, T, P]
+        return y + (z - jax.lax.stop_gradient(z)).reshape(y.shape).astype(y.dtype)
+
     def per_example_grads(self, params, saved, g, spec: RMMSpec):
         """``saved = S^T a [B, k, F]`` (from :meth:`residual`), ``g [B, *T, *out]``. ``saved`` may be ``None``
         (only the bias is trainable, nothing of the input was kept): then only the bias gradient is returned."""
