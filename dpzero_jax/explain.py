@@ -84,9 +84,14 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
         mode = program_mode.concrete_mode(cfg, program_plan)
-        if mode == "fused":   # refused here as the run would refuse it: a group that is not local to one site
+        rows = program_mode.explain(program_plan, params, cfg)
+        if mode == "fused":   # groups that are not local to one site are book-kept in the fused pass: say why
             from dpzero_jax.program import fused as program_fused
 
-            program_fused.local_groups(program_plan)
-        return PlanReport("program", mode, tuple(program_mode.explain(program_plan, params, cfg)))
+            booked = program_fused.local_groups(program_plan)[2]
+            for row in rows:
+                reason = booked.get(program_plan.group_of[row["path"]])
+                if reason:
+                    row["why"] = "; ".join(filter(None, (row["why"], f"book-kept in the fused pass: {reason}")))
+        return PlanReport("program", mode, tuple(rows))
     return PlanReport("layers", engine.choose_mode(cfg, plan).mode, tuple(_layer_rows(plan, params, cfg)))

@@ -104,7 +104,7 @@ def raw_bias_setup() -> Setup:
 
 def test_raw_param_outside_layers_runs_fused_on_the_traced_program():
     """The traced-program front-end takes fused mode over when its groups are local to one layer call: the kernel
-    and the raw bias added after it form one (tests/test_program_fused.py: what it refuses)."""
+    and the raw bias added after it form one (tests/test_program_fused.py: what it book-keeps instead)."""
     setup = raw_bias_setup()
     for groups in ("param-wise", "all-layer"):
         check_private(setup, clip_fn="abadi", groups=groups, mode="fused")

@@ -289,56 +289,60 @@ class LinenScanned(nn.Module):
         return nn.Dense(3, use_bias=False)(h).mean(1)
 
 
-def _fused_error(loss_fn, params, batch, groups) -> str:
-    cfg = dz.DPConfig(mode="fused", groups=groups, front_end="program")
-    with pytest.raises(ValueError) as error:
-        dz.private_value_and_grad(loss_fn, cfg)(params, batch, jax.random.key(0))
-    message = str(error.value)
-    assert "mode='bk' or 'ghost'" in message, message
-    return message
+def _booked_reasons(loss_fn, params, batch, groups) -> str:
+    """The ``why`` column of ``explain_plan`` for ``mode="fused"``: the reasons groups are book-kept."""
+    report = dz.explain_plan(loss_fn, dz.DPConfig(mode="fused", groups=groups, front_end="program"), params, batch)
+    assert report.front_end == "program" and report.mode == "fused"
+    return " | ".join(row["why"] for row in report.rows)
 
 
-def test_groups_that_are_not_local_are_refused_by_name():
+def test_groups_that_are_not_local_are_book_kept_in_the_same_pass():
+    """A group that no single site can clip (all-layer; a layer-wise block of several matrices; sites in different
+    sub-programs; tied weights; sites mixed with fallback parameters) is book-kept inside the fused pass -- its
+    sites' operands and output gradients kept until the pullback ends -- while the local groups are clipped in it:
+    the same clipped gradient as ``vmap(grad)``'s, and ``explain_plan`` says which groups and why."""
     setup = nnx_setup(True)
-    message = _fused_error(setup.loss_fn, setup.params, setup.batch, "all-layer")
-    assert "group 'all' spans 7 sites" in message
+    check_private(setup, clip_fn="abadi", groups="all-layer", mode="fused")
+    assert "group 'all' spans 7 sites" in _booked_reasons(setup.loss_fn, setup.params, setup.batch, "all-layer")
     blocks = decoder()
-    message = _fused_error(blocks.loss_fn, blocks.params, blocks.batch, "layer-wise")
-    assert "group 'blocks/0' has 4 dot / conv / gather sites" in message
-    message = _fused_error(blocks.loss_fn, blocks.params, blocks.batch, lambda p: "ln" if p.endswith("/ln") else p)
-    assert "group 'ln' spans 2 sites" in message and "different sub-programs" in message
+    check_private(blocks, clip_fn="automatic", groups="layer-wise", mode="fused")
+    assert "group 'blocks/0' has 4 dot / conv / gather sites" in _booked_reasons(blocks.loss_fn, blocks.params,
+                                                                                  blocks.batch, "layer-wise")
+    ln_together = lambda p: "ln" if p.endswith("/ln") else p   # noqa: E731
+    check_private(blocks, clip_fn="abadi", groups=ln_together, mode="fused")
+    assert "different sub-programs" in _booked_reasons(blocks.loss_fn, blocks.params, blocks.batch, ln_together)
     graphdef, params = nnx.split(TiedNet(nnx.Rngs(1)), nnx.Param)
 
     def tied_loss(p, b):
         return class_loss(nnx.merge(graphdef, p)(b["ids"])[:, :3], b["y"])
-    message = _fused_error(tied_loss, params, token_batch(2), "param-wise")
-    assert "'embed/embedding'" in message and "tied weights" in message
+    tied = Setup("tied", params, tied_loss, token_batch(2), ())
+    check_private(tied, clip_fn="abadi", groups="param-wise", mode="fused")
+    reasons = _booked_reasons(tied_loss, params, tied.batch, "param-wise")
+    assert "'embed/embedding'" in reasons and "tied weights" in reasons
     plain = plain_setup()
     mixed = {p: ("g" if p in ("gate", "head") else p) for p in ref.paths(plain.params)}
-    assert "fallback" in _fused_error(plain.loss_fn, plain.params, plain.batch, mixed)
-    # explain_plan refuses what the run refuses, and reports what it runs
-    with pytest.raises(ValueError, match="group 'all'"):
-        dz.explain_plan(plain.loss_fn, dz.DPConfig(mode="fused"), plain.params, plain.batch)
-    report = dz.explain_plan(plain.loss_fn, dz.DPConfig(mode="fused", groups="param-wise"), plain.params, plain.batch)
-    assert report.front_end == "program" and report.mode == "fused"
+    check_private(plain, clip_fn="abadi", groups=mixed, mode="fused", floor=1e-4)
+    assert "fallback" in _booked_reasons(plain.loss_fn, plain.params, plain.batch, mixed)
+    assert "book-kept" not in _booked_reasons(plain.loss_fn, plain.params, plain.batch, "param-wise")
 
 
-def test_scans_are_refused_stacked_leaf_is_one_group():
+def test_scanned_leaf_groups_are_book_kept_and_per_iteration_groups_fused():
     """On the program front-end a stacked leaf ``[L, ...]`` is one parameter: its group (param-wise or layer-wise)
-    holds every iteration's gradient, so no coefficient is known inside one iteration's backward."""
+    holds every iteration's gradient, so no coefficient is known inside one iteration's backward -- fused book-keeps
+    it (and names it); the same model matches ``vmap(grad)``."""
     scanned = decoder(stacked=True)
-    message = _fused_error(scanned.loss_fn, scanned.params, scanned.batch, "param-wise")
-    assert "inside a scan (2 iterations)" in message and "stacked over the iterations" in message
+    check_private(scanned, clip_fn="abadi", groups="param-wise", mode="fused")
+    reasons = _booked_reasons(scanned.loss_fn, scanned.params, scanned.batch, "param-wise")
+    assert "inside a scan (2 iterations)" in reasons and "stacked over the iterations" in reasons
     model = LinenScanned()
     batch = token_batch(3)
     params = ref.jit(model.init)(jax.random.key(1), batch["ids"])["params"]
 
     def loss_fn(p, b):
         return class_loss(model.apply({"params": p}, b["ids"]), b["y"])
-    message = _fused_error(loss_fn, params, batch, "layer-wise")
-    assert "ScanCheckpointBlock_0/Dense_0" in message and "inside a scan (3 iterations)" in message
-    # the bk mode gives the reference on the same model (the refusal is about fused alone)
-    check_private(Setup("linen", params, loss_fn, batch, ()), clip_fn="abadi", groups="layer-wise", mode="bk")
+    check_private(Setup("linen", params, loss_fn, batch, ()), clip_fn="abadi", groups="layer-wise", mode="fused")
+    reasons = _booked_reasons(loss_fn, params, batch, "layer-wise")
+    assert "ScanCheckpointBlock_0/Dense_0" in reasons and "inside a scan (3 iterations)" in reasons
 
 
 def _count(jaxpr, names) -> int:

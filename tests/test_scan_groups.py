@@ -83,7 +83,7 @@ def stacked_leaves(params, prefix: str) -> dict:
 
 
 def test_scanned_remat_decoder():
-    """Param-wise (its layer-wise group of a block holds four matrices: not local to one site, refused by fused)."""
+    """Param-wise (split per iteration, a block's layer-wise group of four matrices has no one site to clip it)."""
     setup = decoder(layers=3, stacked=True)
     stats = check(setup.loss_fn, setup.params, setup.batch, stacked_leaves(setup.params, "blocks/"), "param-wise")
     assert stats.norms.shape[1] == 3 * 7 + 3
@@ -101,16 +101,18 @@ def test_linen_scan_of_remat_blocks(clip_fn):
     assert stats.norms.shape[1] == 3 + 2   # three layers of the stack, the embedding, the head
 
 
-def test_bundled_gpt2_scanned_and_rematerialised():
-    """The project's GPT-2 (untied head: a tied table's group is not local to one site) with stacked, scanned
-    blocks under ``remat='block'``; ``mode="auto"`` runs fused for per-iteration groups."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_bundled_gpt2_scanned_and_rematerialised(tied):
+    """The project's GPT-2 with stacked, scanned blocks under ``remat='block'``; ``mode="auto"`` runs fused for
+    per-iteration groups. Tied, the table's group (the lookup and the head: not local to one site) is book-kept in
+    the same pass."""
     config = dz.models.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=3, n_head=2,
-                                  tie_word_embeddings=False, scan_layers=True, remat="block")
+                                  tie_word_embeddings=tied, scan_layers=True, remat="block")
     params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(0)))
     batch = {"input_ids": jnp.asarray(np.random.default_rng(5).integers(0, 32, (4, 8)), jnp.int32)}
     stats = check(loss_fn, params, batch, stacked_leaves(params, "h/"), "layer-wise", mode="auto")
-    # per block: ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj; then wte, wpe, ln_f, lm_head
-    assert stats.norms.shape[1] == 3 * 6 + 4
+    # per block: ln_1, c_attn, attn.c_proj, ln_2, c_fc, mlp.c_proj; then wte, wpe, ln_f (and lm_head untied)
+    assert stats.norms.shape[1] == 3 * 6 + 3 + (not tied)
 
 
 def float_stack(layers: int = 3, d: int = 6, batch_size: int = 6, dtype=None):
@@ -194,10 +196,19 @@ def test_refusals_name_the_option():
                                                        scan_groups="per-iteration"))(params, batch, jax.random.key(0))
     with pytest.raises(ValueError, match="scan_groups must be one of"):
         dz.DPConfig(scan_groups="layers")
-    # without the option the stacked leaf stays one group and fused refuses, pointing at the option
-    with pytest.raises(ValueError, match="scan_groups='per-iteration'"):
-        dz.private_value_and_grad(loss_fn, dz.DPConfig(mode="fused", groups="layer-wise", front_end="program"))(
-            params, batch, jax.random.key(0))
+    # split per iteration, a block's layer-wise group of several matrices has no one site to clip it
+    blocks = decoder(layers=2, stacked=True)
+    with pytest.raises(ValueError, match=r"group 'blocks\[0\]' has 4 dot / conv / gather sites.*no one site can"):
+        dz.private_value_and_grad(blocks.loss_fn, dz.DPConfig(mode="fused", groups="layer-wise",
+                                                              scan_groups="per-iteration"))(
+            blocks.params, blocks.batch, jax.random.key(0))
+    # without the option the stacked leaf stays one group, which fused book-keeps (as bk does), pointing at the option
+    whole = dz.DPConfig(mode="fused", groups="layer-wise", front_end="program", noise_multiplier=0.0)
+    report = dz.explain_plan(loss_fn, whole, params, batch)
+    assert "scan_groups='per-iteration'" in " ".join(row["why"] for row in report.rows)
+    fused = ref.jit(dz.private_value_and_grad(loss_fn, whole))(params, batch, jax.random.key(0))[1]
+    book = ref.jit(dz.private_value_and_grad(loss_fn, whole.replace(mode="bk")))(params, batch, jax.random.key(0))[1]
+    assert_grads_close(fused, ref.flat(book), rtol=1e-5, floor=1e-6)
 
 
 def test_unscanned_models_are_unchanged():

@@ -37,17 +37,21 @@ the head adds its norm to the group's and returns it, times ``C``, to the member
 the head, so that the member's weight path runs through the head's tap). So ``layer-wise`` groups of a kernel and
 its bias (``dot`` / ``conv`` then ``add``) or of a norm's scale and bias are local; so are ``param-wise`` groups,
 and groups whose leaves are all fallback leaves (their per-example gradients come out of the same pullback,
-through per-example copies, and are clipped after it). Refused with the group's name: tied weights (the uses'
-gradients add up with cross terms), a group with two ``dot`` / ``conv`` / ``gather`` sites (``all-layer``, a
-layer-wise block of several matrices: their per-example gradients would be routed whole) or with sites in
-different sub-programs, and a site inside a ``scan`` unless its group is split per iteration: on the program
-front-end a stacked leaf ``[L, ...]`` is ONE parameter path, so its group (param-wise: the leaf; layer-wise: its
-parent path) holds all ``L`` iterations' gradients (book-keeping and ghost add the iterations' squared norms), and
-no iteration's coefficient is known before the backward has run through all of them.
+through per-example copies, and are clipped after it). The other groups are *book-kept* in the same pass
+(:func:`_book`: book-keeping's zero probe at each of their sites and its records, no weight path; their norms and
+clipped sums formed after the pullback exactly as :func:`dpzero_jax.program.mode.program_bk` forms them): tied weights
+(the uses' gradients add up, with cross terms), a group with two ``dot`` / ``conv`` / ``gather`` sites
+(``all-layer``, a layer-wise block of several matrices) or with sites in different sub-programs, sites mixed with
+fallback parameters, and a group of a stacked leaf inside a ``scan`` -- on the program front-end a stacked leaf
+``[L, ...]`` is ONE parameter path, so its group holds all ``L`` iterations' gradients, and no iteration's
+coefficient is known before the backward has run through all of them. A book-kept group keeps its sites' operands
+and output gradients until the pullback ends, as ``bk`` would; ``explain_plan`` names each such group and why. With
+every group book-kept (``all-layer``) the pass is book-keeping's.
 
 Scans (``DPConfig.scan_groups="per-iteration"``, :func:`dpzero_jax.program.mode.split_per_iteration`): each
 iteration's slice of a stacked leaf is a parameter of its own, so a group of stacked leaves becomes one group per
-iteration. Its head's tap sits in the scan body; its inputs -- the sink, the keep flag, the threshold and the
+iteration (such a group must be local: book-keeping adds the iterations up, so a split group no one site can clip
+is refused by name). Its head's tap sits in the scan body; its inputs -- the sink, the keep flag, the threshold and the
 member leaves -- are stacked over the iterations and sliced by the interpreter's scan like any site input, so each
 iteration's backward clips its own slice with its own threshold, and the scan's transpose stacks the clipped
 slices into the leaf's gradient. The rematerialised body (``remat`` inside the scan) is recomputed once, as in the
@@ -62,65 +66,67 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax import clipping, pergrad, spmd
+from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.ghost import squared_norm
-from dpzero_jax.program.interpret import run
+from dpzero_jax.program.interpret import bind, run
 
 
-def local_groups(plan) -> tuple[dict, dict]:
-    """``({head site path: (group, member site paths)}, {group: [fallback leaves]})`` when every group is local
-    (see the module doc); else a ``ValueError`` naming the first group that is not, and why. A group's *head* is
-    its first site in program order (the last one the backward reaches), its *members* the others."""
+def local_groups(plan) -> tuple[dict, dict, dict]:
+    """``({head site path: (group, member site paths)}, {group: [fallback leaves]}, {group: reason})``: the groups
+    clipped in the backward of their head site, those made of fallback leaves only (clipped after the pullback from
+    their per-example copies), and the groups that are not local to one site (see the module doc), with the reason
+    -- those are book-kept in the same pass. A group's *head* is its first site in program order (the last one the
+    backward reaches), its *members* the others."""
     analysis = plan.analysis
     heads: dict = {}
     fallback_groups: dict = {}
-    way_out = "use mode='bk' or 'ghost' (same clipped gradient)"
+    booked: dict = {}
     for group, name in enumerate(plan.group_names):
         leaves = [i for i, path in enumerate(plan.paths) if plan.group_of[path] == group]
         group_sites = sorted((s for s in analysis.sites.values() if s.view.leaf in leaves), key=lambda s: s.path)
         fallback = [i for i in leaves if i in analysis.fallback]
-        if group_sites and fallback:
+        reason = _not_local(plan, name, group_sites, fallback, split=group in plan.iterations)
+        if reason and group in plan.iterations:   # book-keeping adds up the iterations: no per-iteration norms
             raise ValueError(
-                f"mode='fused' clips each group inside the backward of the one site where it meets the example's "
-                f"data, but group {name!r} mixes parameters used at sites "
-                f"({sorted({plan.paths[s.view.leaf] for s in group_sites})}) with per-example fallback parameters "
-                f"({[plan.paths[i] for i in fallback]}); use groups='param-wise', or {way_out}")
-        if any(s.lengths for s in group_sites) and group not in plan.iterations:
-            site = next(s for s in group_sites if s.lengths)
-            raise ValueError(
-                f"mode='fused' needs every clipping group local to one pass through its layer, but group {name!r} "
-                f"is used inside a scan ({' x '.join(map(str, site.lengths))} iterations): "
-                f"{plan.paths[site.view.leaf]!r} is one parameter "
-                f"{'stacked over the iterations' if 'xs' in site.view.levels else 'shared by them'}, its group "
-                f"holds every iteration's gradient, and no iteration's clip coefficient is known before the "
-                f"backward has gone through all of them; DPConfig(scan_groups='per-iteration') makes each "
-                f"iteration's slice a group of its own, or {way_out}")
-        tied = [plan.paths[i] for i in leaves if sum(s.view.leaf == i for s in group_sites) > 1]
-        scopes = {s.path[:-1] for s in group_sites}
-        if tied or len(scopes) > 1:
-            uses = ", ".join(f"{plan.paths[s.view.leaf]!r} at {s.eqn.primitive.name!r}" for s in group_sites[:4])
-            if len(group_sites) > 4:
-                uses += f" and {len(group_sites) - 4} more"
-            why = (f"{tied} used more than once (tied weights): the uses' gradients add up, with cross terms" if tied
-                   else "in different sub-programs (jit / remat regions): a group's sites must be evaluated together")
-            hint = "U" + way_out[1:] if tied else f"Use groups='param-wise' or 'layer-wise', or {way_out}"
-            raise ValueError(
-                f"mode='fused' needs every clipping group local to one layer call, but group {name!r} spans "
-                f"{len(group_sites)} sites ({uses}), {why}. {hint}")
-        factored = [s for s in group_sites if s.kind != "local"]
-        if len(factored) > 1 or (factored and factored[0] is not group_sites[0]):
-            uses = ", ".join(f"{plan.paths[s.view.leaf]!r} at {s.eqn.primitive.name!r}" for s in factored[:4])
-            raise ValueError(
-                f"mode='fused' clips a group in the backward of its first site, which takes the per-example "
-                f"gradients of the group's other sites along; those must be small (biases, scales: 'local' "
-                f"sites), but group {name!r} has {len(factored)} dot / conv / gather sites ({uses}"
-                f"{' ...' if len(factored) > 4 else ''}){'' if len(factored) > 1 else ' after another site'}. "
-                f"Use groups='param-wise' or 'layer-wise', or {way_out}")
-        if group_sites:
+                f"DPConfig(scan_groups='per-iteration') makes each iteration of a scan a group that mode='fused' "
+                f"clips inside that iteration's backward, but {reason}: no one site can clip it. Use "
+                f"groups='param-wise' (or layer-wise groups of one matrix and its bias / a norm's scale and bias), "
+                f"or scan_groups='whole' with mode='bk' or 'ghost'")
+        if reason:
+            booked[group] = reason
+        elif group_sites:
             heads[group_sites[0].path] = (group, tuple(s.path for s in group_sites[1:]))
         elif fallback:
             fallback_groups[group] = fallback
-    return heads, fallback_groups
+    return heads, fallback_groups, booked
+
+
+def _not_local(plan, name: str, group_sites, fallback, split: bool) -> str:
+    """Why group ``name`` cannot be clipped in the backward of one site (``""`` when it can)."""
+    if group_sites and fallback:
+        return (f"group {name!r} mixes parameters used at sites "
+                f"({sorted({plan.paths[s.view.leaf] for s in group_sites})}) with per-example fallback parameters "
+                f"({[plan.paths[i] for i in fallback]})")
+    if any(s.lengths for s in group_sites) and not split:
+        site = next(s for s in group_sites if s.lengths)
+        return (f"group {name!r} is used inside a scan ({' x '.join(map(str, site.lengths))} iterations): "
+                f"{plan.paths[site.view.leaf]!r} is one parameter "
+                f"{'stacked over the iterations' if 'xs' in site.view.levels else 'shared by them'}, so the group "
+                f"holds every iteration's gradient (DPConfig(scan_groups='per-iteration') splits it)")
+    tied = [plan.paths[i] for i in {s.view.leaf for s in group_sites}
+            if sum(s.view.leaf == i for s in group_sites) > 1]
+    if tied:
+        return f"group {name!r}: {tied} used at {len(group_sites)} sites (tied weights: the uses' gradients add up)"
+    if len({s.path[:-1] for s in group_sites}) > 1:
+        return f"group {name!r} spans {len(group_sites)} sites in different sub-programs (jit / remat regions)"
+    factored = [s for s in group_sites if s.kind != "local"]
+    if len(factored) > 1 or (factored and factored[0] is not group_sites[0]):
+        uses = ", ".join(repr(plan.paths[s.view.leaf]) for s in factored[:4])
+        return (f"group {name!r} has {len(factored)} dot / conv / gather sites ({uses}"
+                f"{' ...' if len(factored) > 4 else ''})" if len(factored) > 1 else
+                f"group {name!r} has a dot / conv / gather site after another site")
+    return ""
 
 
 # Sites whose parameter gradient does not depend on the values of the other operands (a bias, a shift, a class
@@ -147,7 +153,17 @@ def _leaf_sq(site, view_grad, base_shape):
     return jnp.sum(jnp.square(leaf_grad))
 
 
-def _fused_handler(plan, heads: dict, method: str, clip_fn: str, gamma: float):
+def _book(site, invals, probe, records: dict) -> list:
+    """A site of a book-kept group: book-keeping's probe and records, with no weight path (the parameter under
+    ``stop_gradient``: its clipped sum is formed after the pullback)."""
+    values = list(invals)
+    values[site.param_operand] = jax.lax.stop_gradient(values[site.param_operand])
+    (out,) = bind(site.eqn, values)
+    records[site.path] = [invals[i] for i in site.recorded]
+    return [out + probe.astype(out.dtype)]
+
+
+def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip_fn: str, gamma: float):
     """The site handler: the data path, the weight path and the tap (see the module doc). A head site's input is
     ``(sink, keep, threshold, member leaves)`` for this example; a member site's is None. A head's tap has one more
     output per member, a zero *link* of the member's view shape, which the member's tap takes as an input: its
@@ -181,6 +197,8 @@ def _fused_handler(plan, heads: dict, method: str, clip_fn: str, gamma: float):
         return [tap(y_data, link, jax.lax.stop_gradient(w), ops)]
 
     def handler(site, invals, site_input, records):
+        if site.path in booked_sites:
+            return _book(site, invals, site_input, records)
         if site_input is None:
             return member(site, invals)
         sink, keep, threshold, member_leaves = site_input
@@ -232,7 +250,8 @@ def _fused_handler(plan, heads: dict, method: str, clip_fn: str, gamma: float):
 def program_fused(cfg, plan, params, batch, mask):
     """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``: one forward (``vmap`` over
     the examples inside one ``jax.vjp``), one pullback."""
-    heads, fallback_groups = local_groups(plan)
+    heads, fallback_groups, booked = local_groups(plan)
+    booked_leaves = {i for i, path in enumerate(plan.paths) if plan.group_of[path] in booked}
     leaves, treedef = jax.tree.flatten(params)
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
@@ -240,14 +259,15 @@ def program_fused(cfg, plan, params, batch, mask):
     site_leaves = sorted({s.view.leaf for s in analysis.sites.values()})
     fallback = sorted(analysis.fallback)
     thresholds = jnp.asarray(plan.thresholds, jnp.float32)
-    handler = _fused_handler(plan, heads, cfg.norm_method, cfg.clip_fn, cfg.gamma)
+    booked_sites = frozenset(path for path, s in analysis.sites.items() if s.view.leaf in booked_leaves)
+    handler = _fused_handler(plan, heads, booked_sites, cfg.norm_method, cfg.clip_fn, cfg.gamma)
 
-    def forward(trained, copies, sinks):
+    def forward(trained, copies, sinks, probes):
         values = list(leaves)
         for i, v in zip(site_leaves, trained):
             values[i] = v
 
-        def one(copies_i, example, sinks_i, keep_i):
+        def one(copies_i, example, sinks_i, keep_i, probes_i):
             local = list(values)
             for i, v in zip(fallback, copies_i):
                 local[i] = v
@@ -259,18 +279,24 @@ def program_fused(cfg, plan, params, batch, mask):
                 inputs[path] = (sinks_i[path], jnp.broadcast_to(keep_i, lengths),
                                 thresholds[group:group + math.prod(lengths)].reshape(lengths),
                                 [local[analysis.sites[m].view.leaf] for m in members])
-            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, local + list(example), analysis, inputs, {},
+            inputs.update(probes_i)   # book-kept sites: book-keeping's zero probes
+            records: dict = {}
+            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, local + list(example), analysis, inputs, records,
                           handler=handler)
-            return loss
-        return jax.vmap(one, spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves), sinks, mask)
+            return loss, records
+        return jax.vmap(one, spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves), sinks, mask, probes)
 
     sinks = {path: jnp.zeros((size,) + tuple(plan.iterations.get(group, ())), jnp.float32)
              for path, (group, _) in heads.items()}
     copies = [jnp.broadcast_to(leaves[i], (size,) + leaves[i].shape) for i in fallback]
-    losses, pullback = jax.vjp(forward, [leaves[i] for i in site_leaves], copies, sinks)
+    probes = {path: jnp.zeros((size,) + bk.zero_probe(analysis.sites[path]).shape,
+                              analysis.sites[path].out_aval.dtype) for path in booked_sites}
+    losses, pullback, records = jax.vjp(forward, [leaves[i] for i in site_leaves], copies, sinks, probes,
+                                        has_aux=True)
     # An example with a non-finite loss gets a zero cotangent: its output gradients are zero (or non-finite, and
     # then its norms are), so it contributes nothing at any site.
-    sums, fallback_ct, sq_of_head = pullback(jnp.where(jnp.isfinite(losses), 1.0, 0.0).astype(losses.dtype))
+    sums, fallback_ct, sq_of_head, probe_ct = pullback(
+        jnp.where(jnp.isfinite(losses), 1.0, 0.0).astype(losses.dtype))
 
     n_groups = len(plan.group_names)
     sq = [jnp.zeros((size,), jnp.float32)] * n_groups
@@ -282,6 +308,15 @@ def program_fused(cfg, plan, params, batch, mask):
     for group, members in fallback_groups.items():
         sq[group] = sum(jnp.sum(jnp.square(per_example[i].astype(jnp.float32)).reshape(size, -1), axis=1)
                         for i in members)
+    summers = {}
+    if booked:   # book-keeping's norms and clipped sums, from the records and probe cotangents of the same pass
+        terms = bk._leaf_terms(plan, leaves, records, probe_ct, fallback_ct, captured=booked_leaves,
+                               method=cfg.norm_method)
+        booked_sq, summers = bk.norms_and_summers(cfg, plan, leaves,
+                                                  {i: t for i, t in terms.items() if i in booked_leaves}, size)
+        for i, value in booked_sq.items():
+            group = plan.group_of[plan.paths[i]]
+            sq[group] = sq[group] + value.astype(jnp.float32)
     norms = jnp.sqrt(jnp.stack(sq, axis=1))
     # The coefficients the taps applied, group by group (a non-finite norm drops the example from its group only).
     keep = jnp.logical_and(mask, jnp.isfinite(losses))
@@ -293,4 +328,6 @@ def program_fused(cfg, plan, params, batch, mask):
     for group, members in fallback_groups.items():
         for i in members:
             out[i] = pergrad.weighted_sum([pergrad.Direct(per_example[i])], coef[:, group]).reshape(leaves[i].shape)
+    for i, summer in summers.items():
+        out[i] = summer(coef[:, plan.group_of[plan.paths[i]]]).reshape(leaves[i].shape).astype(jnp.float32)
     return losses, jax.tree.unflatten(treedef, out), norms, coef
