@@ -71,6 +71,7 @@ GROUPS = Check(f"one of {GROUP_PRESETS}, ('uniform', k) with an integer k >= 1, 
 MODE = choice(MODES)
 NORM_KERNEL = choice(NORM_KERNELS)
 MICROBATCH_SIZE = integer(1).or_none()
+INSTANTIATED_DTYPES = ("float32", "bfloat16")
 
 
 def _accept_thresholds(values, name):
@@ -120,6 +121,13 @@ class DPConfig:
         (``"layer-wise"``: one group per layer of the stack; ``M`` grows by the stack's depth; thresholds ``R /
         sqrt(M)``). Computed by ``mode="fused"``, in one backward pass inside the scan (each iteration's
         coefficient is known as soon as its output gradient is); the other modes refuse it.
+    instantiated_dtype: the dtype in which book-keeping (``mode="bk"``, and ``"auto"`` where it resolves to it) keeps
+        a per-example gradient it instantiates (where the norm rule picks instantiation over a ghost norm) and
+        reuses for the clipped sum: ``"float32"`` (default) or ``"bfloat16"``, which halves that buffer -- at long
+        sequences the largest the private step adds (the tied LM head's ``[B, d, V]``). The rounded gradients are
+        then what is clipped and summed: their norms are taken after rounding, so each example's clipped
+        contribution is bounded by its threshold exactly and the sensitivity is unchanged; the summed gradient is
+        each example's gradient rounded to bfloat16 (relative error at most 2^-8 per entry) instead of the exact one.
     target: the backend the step is compiled for, ``"cpu"``, ``"gpu"`` or ``"tpu"``; ``None`` (default):
         ``jax.default_backend()`` when the step is traced. It decides what the ``"auto"`` settings resolve to; set
         it when compiling ahead of time for another backend (a TPU program compiled on a CPU host).
@@ -140,10 +148,15 @@ class DPConfig:
                                                                    _accept_thresholds).or_none())
     front_end: str = option("auto", choice(FRONT_ENDS))
     scan_groups: str = option("whole", choice(SCAN_GROUPS))
+    instantiated_dtype: str = option("float32", choice(INSTANTIATED_DTYPES))
     target: str | None = option(None, choice(TARGETS).or_none("None (jax.default_backend()) or one of {choices}"))
 
     def __post_init__(self):
         check_fields(DPConfig, self, "DPConfig")
+        if self.instantiated_dtype != "float32" and self.mode in ("ghost", "vmap"):
+            raise ValueError(f"DPConfig.instantiated_dtype={self.instantiated_dtype!r} is the dtype of the per-example "
+                             f"gradients book-keeping keeps for the clipped sum (mode 'bk' or 'auto', and the "
+                             f"book-kept groups of 'fused'); mode={self.mode!r} keeps none")
 
     def replace(self, **changes) -> DPConfig:
         return dataclasses.replace(self, **changes)

@@ -98,6 +98,12 @@ def _gram(u: Outer, v: Outer, side: str) -> Array:
     return jnp.einsum("btr,bsr->bts", u.left, v.left, preferred_element_type=jnp.float32)
 
 
+def direct_sq_norm(value: Array) -> Array:
+    """``[B]`` squared norms, accumulated in float32, of per-example gradients ``value [B, ...]`` (any float
+    dtype: a gradient kept in bfloat16 is normed as kept)."""
+    return jnp.sum(jnp.square(_f32(value)).reshape(value.shape[0], -1), axis=1)
+
+
 def instantiate(use: PerExampleGrad) -> Array:
     """The per-example gradient ``[B, *shape]`` in float32 (used by the instantiation branch and by tests)."""
     if isinstance(use, Direct):

@@ -46,7 +46,6 @@ def bk_forward(loss_fn, plan: Plan, params, leaf_ids, batch, layout=None):
 
 def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask, layout=None):
     """Book-keeping on one (micro)batch: ``(losses [b], {path: clipped sum}, norms [b, M], coef [b, M])``."""
-    size = _batch_size(batch)
     losses, pullback, calls = bk_forward(loss_fn, plan, params, leaf_ids, batch, layout)
     (output_grads,) = pullback(jnp.ones_like(losses))
     uses = _per_example_uses(plan, calls, output_grads, plan.uses, layout)
@@ -58,9 +57,10 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask,
     else:
         # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
         # reused for the clipped sum (no second contraction).
-        instantiated = {path: sum(pergrad.instantiate(v) for v in u) for path, u in uses.items()
-                        if not pergrad.use_ghost(u, cfg.norm_method)}
-        sq = {path: (jnp.sum(jnp.square(instantiated[path]).reshape(size, -1), axis=1) if path in instantiated
+        # (in cfg.instantiated_dtype: the norm is taken after rounding, so what is summed is what is clipped)
+        instantiated = {path: sum(pergrad.instantiate(v) for v in u).astype(cfg.instantiated_dtype)
+                        for path, u in uses.items() if not pergrad.use_ghost(u, cfg.norm_method)}
+        sq = {path: (pergrad.direct_sq_norm(instantiated[path]) if path in instantiated
                      else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)

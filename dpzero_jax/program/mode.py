@@ -235,8 +235,9 @@ def _outer_uses(factored, k: int | None = None):
     return uses
 
 
-def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int):
-    """``(sq [B], clipped(coef) -> [K, rows, cols])`` for one leaf with factored uses."""
+def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="float32"):
+    """``(sq [B], clipped(coef) -> [K, rows, cols])`` for one leaf with factored uses; an instantiated gradient is
+    kept (and normed) in ``dtype`` (``DPConfig.instantiated_dtype``)."""
     k = factored[0][1].left.shape[1]
     uses = _outer_uses(factored)
     if k > 1:
@@ -244,7 +245,8 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int):
     ghost = pergrad.use_ghost(uses, method, kernel)
     if not ghost and kernel == "xla":
         dense = sum(pergrad.instantiate(u) for u in uses).reshape((batch, k) + (uses[0].rows, uses[0].cols))
-        sq = jnp.sum(jnp.square(dense).reshape(batch, -1), axis=1)
+        dense = dense.astype(dtype)
+        sq = pergrad.direct_sq_norm(dense)
 
         def clipped(coef):
             return pergrad.weighted_sum([pergrad.Direct(dense)], coef)
@@ -282,10 +284,12 @@ def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int):
     sq, summers = {}, {}
     for leaf, (form, value) in terms.items():
         if form == "direct":
-            sq[leaf] = jnp.sum(jnp.square(value).reshape(size, -1), axis=1)
+            value = value.astype(cfg.instantiated_dtype)   # kept for the clipped sum, normed as kept
+            sq[leaf] = pergrad.direct_sq_norm(value)
             summers[leaf] = (lambda v: lambda coef: pergrad.weighted_sum([pergrad.Direct(v)], coef))(value)
         else:
-            sq[leaf], clipped = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size)
+            sq[leaf], clipped = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size,
+                                                    cfg.instantiated_dtype)
             site, first = value[0]
             summers[leaf] = (lambda c, s, f, lf: lambda coef: sites_lib.to_leaf(s, c(coef), lf, f))(
                 clipped, site, first, leaves[leaf])
