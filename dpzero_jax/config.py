@@ -237,10 +237,20 @@ class ClippingOptions(OptionGroup):
                               "groups of scanned, stacked layers: whole (a stacked weight is one parameter) or "
                               "per-iteration (each layer of the stack its own; computed by mode fused in one "
                               "backward pass: --groups layer-wise or param-wise)")
+    instantiated_dtype: str = option("float32", choice(INSTANTIATED_DTYPES),
+                                     "dtype of the per-example gradients book-keeping instantiates and reuses for the "
+                                     "clipped sum: bfloat16 halves that buffer (normed after rounding: what is "
+                                     "summed is what is clipped); not with --mode ghost or vmap")
+
+    def _check_group(self, owner: str) -> None:
+        if self.instantiated_dtype != "float32" and self.mode in ("ghost", "vmap"):
+            raise ValueError(f"{owner}.instantiated_dtype={self.instantiated_dtype!r} applies to the per-example "
+                             f"gradients book-keeping keeps; mode={self.mode!r} keeps none")
 
     def dp_config(self, noise_multiplier: float, **more) -> DPConfig:
         """The runtime :class:`DPConfig` of these options with ``noise_multiplier`` (``more``: its other fields,
         e.g. ``expected_batch_size``, ``noise_rng``)."""
         return DPConfig(noise_multiplier=noise_multiplier, max_grad_norm=self.max_grad_norm, clip_fn=self.clip_fn,
                         groups=self.groups, mode=self.mode, norm_kernel=self.norm_kernel,
-                        microbatch_size=self.micro_batch_size, scan_groups=self.scan_groups, **more)
+                        microbatch_size=self.micro_batch_size, scan_groups=self.scan_groups,
+                        instantiated_dtype=self.instantiated_dtype, **more)

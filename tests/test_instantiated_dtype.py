@@ -83,3 +83,17 @@ def test_modes_that_keep_no_per_example_gradient_refuse_it():
             dz.DPConfig(mode=mode, instantiated_dtype="bfloat16")
     with pytest.raises(ValueError, match="instantiated_dtype"):
         dz.DPConfig(instantiated_dtype="float16")
+
+
+def test_training_option():
+    """``dpzero train --instantiated-dtype bfloat16`` reaches the runtime DPConfig; with ghost it is refused."""
+    from dpzero_jax import cli
+    from dpzero_jax.config import ClippingOptions
+    from dpzero_jax.train import TrainConfig
+
+    values, _ = cli._train_values(vars(cli.build_parser().parse_args(["train", "--instantiated-dtype", "bfloat16"])))
+    cfg = TrainConfig.from_dict(values)
+    assert cfg.clipping_options.dp_config(1.0).instantiated_dtype == "bfloat16"
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r"ClippingOptions.instantiated_dtype='bfloat16'.*mode='ghost' keeps none"):
+        ClippingOptions(instantiated_dtype="bfloat16", mode="ghost")
