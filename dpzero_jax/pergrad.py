@@ -104,17 +104,19 @@ def direct_sq_norm(value: Array) -> Array:
     return jnp.sum(jnp.square(_f32(value)).reshape(value.shape[0], -1), axis=1)
 
 
-def instantiate(use: PerExampleGrad) -> Array:
-    """The per-example gradient ``[B, *shape]`` in float32 (used by the instantiation branch and by tests)."""
+def instantiate(use: PerExampleGrad, dtype=jnp.float32) -> Array:
+    """The per-example gradient ``[B, *shape]`` in ``dtype`` (float32 by default; used by the instantiation branch
+    and by tests). A dense use's contraction accumulates in float32 and writes ``dtype``; an embedding's rows are
+    added in ``dtype``."""
     if isinstance(use, Direct):
-        return _f32(use.value)
+        return _f32(use.value).astype(dtype)
     batch = use.right.shape[0]
     if use.left_is_ids:
-        rows = jnp.zeros((batch, use.rows, use.cols), jnp.float32)
+        rows = jnp.zeros((batch, use.rows, use.cols), dtype)
         example = jnp.broadcast_to(jnp.arange(batch)[:, None], use.left.shape)
-        full = rows.at[example, use.left].add(_f32(use.right))
+        full = rows.at[example, use.left].add(_f32(use.right).astype(dtype))
     else:
-        full = jnp.einsum("btr,btc->brc", use.left, use.right, preferred_element_type=jnp.float32)
+        full = jnp.einsum("btr,btc->brc", use.left, use.right, preferred_element_type=jnp.float32).astype(dtype)
     return full.reshape((batch,) + tuple(use.shape))
 
 

@@ -244,8 +244,7 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
         kernel = "xla"
     ghost = pergrad.use_ghost(uses, method, kernel)
     if not ghost and kernel == "xla":
-        dense = sum(pergrad.instantiate(u) for u in uses).reshape((batch, k) + (uses[0].rows, uses[0].cols))
-        dense = dense.astype(dtype)
+        dense = sum(pergrad.instantiate(u, dtype) for u in uses).reshape((batch, k) + (uses[0].rows, uses[0].cols))
         sq = pergrad.direct_sq_norm(dense)
 
         def clipped(coef):
