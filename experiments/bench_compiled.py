@@ -290,6 +290,8 @@ DP_CANDIDATES = {   # every DP candidate is configured with target="tpu" (the st
     # the same model planned from its traced program instead of its dz.nn layer calls (dpzero_jax.program)
     "program_bk": dict(mode="bk", front_end="program"),
     "program_ghost": dict(mode="ghost", front_end="program"),
+    # auto with the per-example gradients book-keeping instantiates kept in bfloat16 (DPConfig.instantiated_dtype)
+    "auto_bf16": dict(instantiated_dtype="bfloat16"),
 }
 # Mosaic kernels cannot be partitioned by GSPMD: these run the engine per device inside ``jax.shard_map``
 # (``clipped_grad_sum`` on the local examples, ``psum`` over the mesh, noise added once), the project's "explicit"
@@ -305,11 +307,11 @@ VERSIONS = {"bk_shmap": 3, "bk_pallas": 3, "auto": 2, "bk": 2, "bk_fastest": 2, 
             "program_bk": 2, "program_ghost": 2}
 # compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
 CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_mixed", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap",
-              "fused", "program_bk", "program_ghost")
+              "fused", "program_bk", "program_ghost", "auto_bf16")
 assert set(CANDIDATES) == {"nonprivate", *DP_CANDIDATES, *SHMAP_CANDIDATES, *PEERS}
 SMOKE_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "vmap", "bk_shmap", "bk_pallas", "jax_privacy", "optax")
 MAX_BATCH_MODELS = {"small": small, "medium": medium}
-MAX_BATCH_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "jax_privacy", "optax")
+MAX_BATCH_CANDIDATES = ("nonprivate", "auto", "bk", "ghost", "jax_privacy", "optax", "auto_bf16")
 
 
 def require_libtpu():

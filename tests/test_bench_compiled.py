@@ -106,3 +106,33 @@ def test_large_buffers_skips_fusions_and_aliases():
         "}",
     ])
     assert bench.large_buffers(text, 8 * 1024 * 512 * 4 // 2) == {"fusion": 1, "convolution": 1}
+
+
+def test_fit_criteria():
+    """The compiler's verdict (a compiled point fits) and memory_analysis()'s sum (also at most 16 GiB)."""
+    gib = 2**30
+    compiled = {"total_bytes": 17 * gib}
+    assert bench.fits(compiled, "compiler") and not bench.fits(compiled, "total")
+    assert bench.fits({"total_bytes": 15 * gib}, "total")
+    assert not bench.fits({"failed": "oom", "message": "RESOURCE_EXHAUSTED"}, "compiler")
+
+
+def test_buffer_dump_reader(tmp_path):
+    """experiments/tpu_buffers.py reads the HBM (colour 0) preallocated temporary buffer, not another memory
+    space's, and the default memory space's total from the memory-usage report."""
+    spec = importlib.util.spec_from_file_location("tpu_buffers", _ROOT / "experiments" / "tpu_buffers.py")
+    buffers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(buffers)
+    stem = tmp_path / "module_0005.jit_step.cl_1.after_optimizations"
+    pathlib.Path(f"{stem}-buffer-assignment.txt").write_text(
+        "allocation 0: size 512, thread-local:\n"
+        "allocation 7: size 14020543488, preallocated-temp:\n value: <1 fusion @0>\n"
+        "allocation 8: size 160, color 2, preallocated-temp:\n"
+        "allocation 9: size 20000000000, color 1, preallocated-temp:\n")   # larger: must not be read
+    pathlib.Path(f"{stem}-memory-usage-report.txt").write_text(
+        "Memory Space: default (color=0)\nTotal bytes: 16862090752 (15.70GiB)\n  cumulative_size; size\n"
+        "Memory Space: vmem (color=1)\nTotal bytes: 117440512 (112.00MiB)\n")
+    assert buffers.read_dump(str(tmp_path)) == {"preallocated_temp_bytes": 14020543488,
+                                                "default_space_bytes": 16862090752}
+    with pytest.raises(RuntimeError, match="no buffer assignment"):
+        buffers.read_dump(str(tmp_path / "missing"))
