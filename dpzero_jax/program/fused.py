@@ -114,7 +114,7 @@ def _not_local(plan, name: str, group_sites, fallback, split: bool) -> str:
                 f"{plan.paths[site.view.leaf]!r} is one parameter "
                 f"{'stacked over the iterations' if 'xs' in site.view.levels else 'shared by them'}, so the group "
                 f"holds every iteration's gradient (DPConfig(scan_groups='per-iteration') splits it)")
-    tied = [plan.paths[i] for i in {s.view.leaf for s in group_sites}
+    tied = [plan.paths[i] for i in sorted({s.view.leaf for s in group_sites})
             if sum(s.view.leaf == i for s in group_sites) > 1]
     if tied:
         return f"group {name!r}: {tied} used at {len(group_sites)} sites (tied weights: the uses' gradients add up)"
