@@ -98,6 +98,14 @@ def _gram(u: Outer, v: Outer, side: str) -> Array:
     return jnp.einsum("btr,bsr->bts", u.left, v.left, preferred_element_type=jnp.float32)
 
 
+def kept(value: Array) -> Array:
+    """``value`` as one buffer that its consumers all read: an instantiated per-example gradient kept in bfloat16 is
+    normed and summed as rounded only if the compiler cannot re-derive it inside each consumer from the float32
+    contraction (and drop the rounding there: XLA removes ``f32 -> bf16 -> f32`` conversion pairs in some
+    fusions). Float32 values are returned as they are."""
+    return value if value.dtype == jnp.float32 else jax.lax.optimization_barrier(value)
+
+
 def direct_sq_norm(value: Array) -> Array:
     """``[B]`` squared norms, accumulated in float32, of per-example gradients ``value [B, ...]`` (any float
     dtype: a gradient kept in bfloat16 is normed as kept)."""

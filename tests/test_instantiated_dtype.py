@@ -51,7 +51,7 @@ def test_bfloat16_instantiated_gradients_are_clipped_as_kept(name):
 
     * What is summed is what is clipped: one example alone (a one-hot mask) under a threshold that clips it
       contributes a gradient whose norm, measured here in float64, is the threshold to float32 accuracy -- a norm
-      taken before rounding would miss it by up to 2^-9;
+      taken before rounding misses it by up to 2^-9;
     * the clipped sum and the norms are those of ``vmap(grad)``'s float32 gradients to bfloat16 accuracy, and differ
       measurably from the float32 run's (the rounding is seen)."""
     setup = {"mlp": mlp, "gpt2": gpt2, "flax": flax_setup}[name]()

@@ -244,7 +244,8 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
         kernel = "xla"
     ghost = pergrad.use_ghost(uses, method, kernel)
     if not ghost and kernel == "xla":
-        dense = sum(pergrad.instantiate(u, dtype) for u in uses).reshape((batch, k) + (uses[0].rows, uses[0].cols))
+        dense = pergrad.kept(sum(pergrad.instantiate(u, dtype) for u in uses).reshape(
+            (batch, k) + (uses[0].rows, uses[0].cols)))
         sq = pergrad.direct_sq_norm(dense)
 
         def clipped(coef):
@@ -283,7 +284,7 @@ def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int):
     sq, summers = {}, {}
     for leaf, (form, value) in terms.items():
         if form == "direct":
-            value = value.astype(cfg.instantiated_dtype)   # kept for the clipped sum, normed as kept
+            value = pergrad.kept(value.astype(cfg.instantiated_dtype))   # kept for the clipped sum, normed as kept
             sq[leaf] = pergrad.direct_sq_norm(value)
             summers[leaf] = (lambda v: lambda coef: pergrad.weighted_sum([pergrad.Direct(v)], coef))(value)
         else:
