@@ -74,6 +74,15 @@ MICROBATCH_SIZE = integer(1).or_none()
 INSTANTIATED_DTYPES = ("float32", "bfloat16")
 
 
+def check_instantiated_dtype(owner: str, instantiated_dtype: str, mode: str) -> None:
+    """Refuse a non-default ``instantiated_dtype`` with a mode that keeps no per-example gradient (the one rule
+    :class:`DPConfig` and :class:`ClippingOptions` share, with the owner's name in the message)."""
+    if instantiated_dtype != "float32" and mode in ("ghost", "vmap"):
+        raise ValueError(f"{owner}.instantiated_dtype={instantiated_dtype!r} is the dtype of the per-example "
+                         f"gradients book-keeping keeps for the clipped sum (mode 'bk' or 'auto', and the "
+                         f"book-kept groups of 'fused'); mode={mode!r} keeps none")
+
+
 def _accept_thresholds(values, name):
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or \
             any(MAX_GRAD_NORM.accept(r, name) is INVALID for r in values):
@@ -155,10 +164,7 @@ class DPConfig:
 
     def __post_init__(self):
         check_fields(DPConfig, self, "DPConfig")
-        if self.instantiated_dtype != "float32" and self.mode in ("ghost", "vmap"):
-            raise ValueError(f"DPConfig.instantiated_dtype={self.instantiated_dtype!r} is the dtype of the per-example "
-                             f"gradients book-keeping keeps for the clipped sum (mode 'bk' or 'auto', and the "
-                             f"book-kept groups of 'fused'); mode={self.mode!r} keeps none")
+        check_instantiated_dtype("DPConfig", self.instantiated_dtype, self.mode)
 
     def replace(self, **changes) -> DPConfig:
         return dataclasses.replace(self, **changes)
@@ -245,9 +251,7 @@ class ClippingOptions(OptionGroup):
                                      "summed is what is clipped); not with --mode ghost or vmap")
 
     def _check_group(self, owner: str) -> None:
-        if self.instantiated_dtype != "float32" and self.mode in ("ghost", "vmap"):
-            raise ValueError(f"{owner}.instantiated_dtype={self.instantiated_dtype!r} applies to the per-example "
-                             f"gradients book-keeping keeps; mode={self.mode!r} keeps none")
+        check_instantiated_dtype(owner, self.instantiated_dtype, self.mode)
 
     def dp_config(self, noise_multiplier: float, **more) -> DPConfig:
         """The runtime :class:`DPConfig` of these options with ``noise_multiplier`` (``more``: its other fields,

@@ -31,14 +31,12 @@ their work), their FLOPs counted from the traced kernel: the ``dot_general``s of
 (a ``pl.when``-guarded branch is counted as if taken on every grid step, so this is an upper bound: the symmetric
 Gram kernel skips about half of its tile pairs).
 
-Temp and peak: ``memory_analysis()`` also reports ``peak_memory_in_bytes``, the compiler's own high-water mark of
-the program's HBM (arguments, outputs and temporaries live at the same time). For the non-private step it is temp +
-arguments + outputs; for the DP steps that instantiate per-example gradients it can be lower (the ``peak`` column;
-``docs/benchmarks/compiled.md``). The buffer assignment (``--xla_dump_to``) agrees with the peak, not with the
-temporaries: on a one-chip 2-layer proxy (untied, T 1024, B 8) ``auto``'s preallocated temporary buffer is 4.43 GiB
-against ``temp_size_in_bytes`` 5.59 GiB, and the non-private step's 3.40 against 3.40; the 1.16 GiB difference is
-the size of the LM head's per-example gradient (``f32[8, 768, 50304]``), why the temporaries count it again is not
-known. The issue's targets are set on the temporaries; both are reported.
+Temp and peak: ``memory_analysis()`` also reports ``peak_memory_in_bytes`` (the ``peak`` column). Neither it nor
+``temp_size_in_bytes`` is what the compiled program allocates: for steps that instantiate per-example gradients the
+temporaries count 1.2-1.4 GiB more than the buffer assignment's preallocated temporary buffer (the LM head's
+per-example gradient, e.g. ``f32[8, 768, 50304]``), and the peak is below the memory-usage report's HBM total.
+``experiments/tpu_buffers.py`` reads both from ``--xla_dump_to`` (``docs/benchmarks/compiled.md``). The issue's
+targets are set on the temporaries; all three are reported.
 
 Peaks assumed (Google Cloud TPU documentation, "TPU v5e" and "TPU v5p" pages, per chip): v5e 197 TFLOP/s bf16,
 819 GB/s HBM, 16 GiB HBM, ICI 1600 Gbit/s = 200 GB/s; v5p 459 TFLOP/s bf16, 2765 GB/s HBM, 95 GB HBM, ICI 4800

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import reference as ref
 from flax import nnx
-from helpers import assert_grads_close
+from helpers import Setup, assert_grads_close, check_private
 from test_program_fused import LinenScanned, class_loss, decoder, token_batch
 
 import dpzero_jax as dz
@@ -202,13 +202,14 @@ def test_refusals_name_the_option():
         dz.private_value_and_grad(blocks.loss_fn, dz.DPConfig(mode="fused", groups="layer-wise",
                                                               scan_groups="per-iteration"))(
             blocks.params, blocks.batch, jax.random.key(0))
-    # without the option the stacked leaf stays one group, which fused book-keeps (as bk does), pointing at the option
+    # without the option the stacked leaf stays one group, which fused book-keeps, pointing at the option; the
+    # clipped gradient is vmap(grad)'s with the stacked leaves whole
     whole = dz.DPConfig(mode="fused", groups="layer-wise", front_end="program", noise_multiplier=0.0)
     report = dz.explain_plan(loss_fn, whole, params, batch)
     assert "scan_groups='per-iteration'" in " ".join(row["why"] for row in report.rows)
-    fused = ref.jit(dz.private_value_and_grad(loss_fn, whole))(params, batch, jax.random.key(0))[1]
-    book = ref.jit(dz.private_value_and_grad(loss_fn, whole.replace(mode="bk")))(params, batch, jax.random.key(0))[1]
-    assert_grads_close(fused, ref.flat(book), rtol=1e-5, floor=1e-6)
+    params5, loss5, batch5 = float_stack(batch_size=5)   # the helpers' reference batch size
+    check_private(Setup("float-stack", params5, loss5, batch5, ()), clip_fn="abadi", groups="layer-wise",
+                  mode="fused", front_end="program")
 
 
 def test_unscanned_models_are_unchanged():
