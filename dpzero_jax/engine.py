@@ -140,17 +140,13 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
                 "DPConfig.front_end='layers'. Use front_end='auto' or 'program' (any JAX model, mode 'bk', "
                 "'ghost', 'fused' or 'auto'), build the model from dpzero_jax layers, or use mode='vmap'.")
         return "layers"
-    if layout is not None:
-        raise UnsupportedParameterError(
-            "gathering ZeRO-3 shards layer by layer needs dpzero_jax layers, and trainable parameters "
-            f"{list(plan.outside) or 'of this model'} are handled by the traced-program front-end: use the "
-            "gspmd strategy or gather_by_layer=False.")
     return "program"
 
 
-def _program_clip(cfg: DPConfig, plan, params, batch, mask) -> _Clipped:
+def _program_clip(cfg: DPConfig, plan, params, batch, mask, layout=None) -> _Clipped:
     """Book-keeping, ghost or fused clipping on the traced program (:mod:`dpzero_jax.program`),
-    ``microbatch_size`` at a time."""
+    ``microbatch_size`` at a time; with a ZeRO-3 ``layout`` on the shards, gathered at each use
+    (:mod:`dpzero_jax.program.zero3`)."""
     from dpzero_jax.program import fused as program_fused
     from dpzero_jax.program import ghost as program_ghost
     from dpzero_jax.program import mode as program_mode
@@ -165,12 +161,12 @@ def _program_clip(cfg: DPConfig, plan, params, batch, mask) -> _Clipped:
                                   [g.astype(leaf.dtype) for g, leaf in zip(jax.tree.leaves(grads), leaves)])
 
     if chunk >= plan.batch_size:
-        losses, grads, norms, coef = run(cfg, plan, params, batch, mask)
+        losses, grads, norms, coef = run(cfg, plan, params, batch, mask, layout=layout)
         return _Clipped(losses, cast(grads), norms, coef)
     chunks, chunk_mask, unsplit = _microbatches(batch, mask, chunk)
 
     def step(acc, inputs):
-        losses, grads, norms, coef = run(cfg, plan, params, *inputs)
+        losses, grads, norms, coef = run(cfg, plan, params, *inputs, layout=layout)
         return jax.tree.map(jnp.add, acc, grads), (losses, norms, coef)
 
     init = jax.tree.map(lambda leaf: jnp.zeros(np.shape(leaf), jnp.float32), params)
@@ -200,13 +196,13 @@ def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=
     if _front_end(cfg, plan, layout) == "program":
         from dpzero_jax.program import mode as program_mode
 
-        program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
+        program_plan = program_mode.plan_program(loss_fn, cfg, plan_params, batch, plan.paths, plan.batch_size)
         if thresholds is not None and program_plan.iterations:
             raise ValueError("thresholds given at call time (adaptive clipping) are not supported with "
                              "DPConfig.scan_groups='per-iteration'")
         program_plan = _with_thresholds(program_plan, thresholds)
         concrete = cfg.replace(mode=program_mode.concrete_mode(cfg, program_plan))
-        return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask)
+        return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask, layout)
     concrete = choose_mode(cfg, plan)
     return plan, concrete, MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
 

@@ -101,6 +101,20 @@ def _used_inputs(closed_jaxpr) -> list[bool]:
     return used
 
 
+def used_outside_layers(fn: Callable, params, *args) -> list[str]:
+    """Paths of the leaves of ``params`` that ``fn(params, *args)`` uses outside ``dpzero_jax`` layers (traced
+    abstractly; ``params`` and ``args`` may be ``ShapeDtypeStruct``)."""
+    leaves, treedef = jax.tree.flatten(params)
+    paths = leaf_paths(params)
+
+    def traced(leaves, args):
+        with tape_lib.active(tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)})):
+            return fn(jax.tree.unflatten(treedef, leaves), *args)
+
+    used = _used_inputs(jax.make_jaxpr(traced)(_abstract(leaves), _abstract(args)))[:len(leaves)]
+    return [path for path, u in zip(paths, used) if u]
+
+
 def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_supported: bool = True) -> Plan:
     """Trace ``loss_fn`` abstractly once and plan the private gradient (see the module docstring)."""
     leaves, treedef = jax.tree.flatten(params)

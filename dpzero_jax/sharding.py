@@ -38,7 +38,9 @@ ZeRO stages (paper 000 §2.2; Rajbhandari et al.)
     just before use, lets the copy go, gathers them again in the backward pass, and reduce-scatters its clipped
     weight gradient to the owner (``psum_scatter`` over ``fsdp``) as soon as the layer's backward has formed it
     (engine modes ``bk``, ``ghost``, ``fused``; ``vmap`` differentiates per example and gathers every weight
-    first). At stages 1-2 parameters are whole on every device and the summed gradients go to their owners after
+    first). ``dpzero_jax`` layers gather in their own ``custom_vjp``; any other model is gathered by the
+    traced-program front-end at each use of each leaf (:mod:`dpzero_jax.program.zero3`; inside a scan, one
+    iteration's slice at a time). At stages 1-2 parameters are whole on every device and the summed gradients go to their owners after
     the local backward (``psum_scatter`` at stage 2, ``psum`` at stage 1). Everything is then summed over
     ``data``; noise, normalisation and the optax update run on the owner's shard only (elementwise; no
     communication). The collectives are those of non-private ZeRO (:func:`explicit_mean_gradient`): the DP step
@@ -61,6 +63,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from dpzero_jax import noise
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.engine import clipped_grad_sum, leaf_paths, make_plan
+from dpzero_jax.layer_plan import used_outside_layers
 from dpzero_jax.mesh_options import (  # noqa: F401  (the mesh's options, re-exported)
     AXES,
     BATCH_AXES,
@@ -73,6 +76,7 @@ from dpzero_jax.mesh_options import (  # noqa: F401  (the mesh's options, re-exp
     ici_shape,
     parse_mesh,
 )
+from dpzero_jax.program import gathered as program_gathered
 from dpzero_jax.sketch import finite_zero
 
 __all__ = ["MeshShape", "ShardLayout", "ShardingRules", "explicit_apply", "explicit_gradient",
@@ -255,6 +259,10 @@ class ShardLayout:
     def gathers(self, path: str) -> bool:
         return path in self._dims
 
+    def dim(self, path: str) -> int | None:
+        """The dimension the leaf is split on over ``fsdp`` (None: whole on every device)."""
+        return self._dims.get(path)
+
     def full(self, path: str) -> jax.ShapeDtypeStruct:
         return self._full[path]
 
@@ -391,6 +399,9 @@ def explicit_mean_gradient(loss_fn, rules: ShardingRules, params, *, gather_by_l
     layout = ShardLayout(rules, params) if gather_by_layer and rules.zero == 3 else None
 
     def local_sum(params, batch, mask):
+        if layout is not None and _uses_outside_layers(loss_fn, params, batch, layout):
+            return program_gathered.mean_gradient_sum(loss_fn, params, batch, mask, layout)
+
         def total(p):
             with _gathering(layout, p):
                 losses = loss_fn(p, batch)
@@ -408,6 +419,13 @@ def explicit_mean_gradient(loss_fn, rules: ShardingRules, params, *, gather_by_l
     return gradient
 
 
+def _uses_outside_layers(fn, shards, inputs, layout) -> bool:
+    """Whether ``fn(params, inputs)`` uses a leaf outside ``dpzero_jax`` layers (then its traced program is gathered
+    use by use instead of layer by layer)."""
+    whole = jax.tree.unflatten(jax.tree.structure(shards), [layout.full(path) for path in leaf_paths(shards)])
+    return bool(used_outside_layers(fn, whole, inputs))
+
+
 def explicit_apply(apply_fn, rules: ShardingRules, params):
     """``apply_fn(params, inputs) -> outputs [B, ...]`` (a forward pass built from :mod:`dpzero_jax.ops` layers) on
     the stage's parameter layout, batch split over the mesh: at stage 3 each layer gathers its weights just before
@@ -417,6 +435,8 @@ def explicit_apply(apply_fn, rules: ShardingRules, params):
     batch_spec = PartitionSpec(BATCH_AXES)
 
     def local(params, inputs):
+        if layout is not None and _uses_outside_layers(apply_fn, params, inputs, layout):
+            return program_gathered.gathered_apply(apply_fn, params, inputs, layout)
         with _gathering(layout, params):
             return apply_fn(params, inputs)
 

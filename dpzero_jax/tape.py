@@ -82,10 +82,14 @@ class ParamLayout(Protocol):
     * ``gather(path, shard, after)``: the whole weight, gathered only once ``after`` exists (a data dependency
       that changes no value: the layer input in a forward pass, the output gradient in a backward pass);
     * ``scatter(path, grad)``: the owner's part of a whole-weight gradient, summed over the devices sharing it;
-    * ``full(path)``: ``jax.ShapeDtypeStruct`` of the whole weight (of every leaf, sharded or not).
+    * ``full(path)``: ``jax.ShapeDtypeStruct`` of the whole weight (of every leaf, sharded or not);
+    * ``dim(path)``: the dimension a sharded leaf is split on (None: whole); the traced-program front-end gathers
+      with it (:mod:`dpzero_jax.program.zero3`).
     """
 
     def gathers(self, path: str) -> bool: ...
+
+    def dim(self, path: str) -> int | None: ...
 
     def gather(self, path: str, shard: jax.Array, after: jax.Array) -> jax.Array: ...
 

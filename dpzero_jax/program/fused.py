@@ -68,6 +68,7 @@ import jax.numpy as jnp
 from dpzero_jax import clipping, pergrad, spmd
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
+from dpzero_jax.program import zero3
 from dpzero_jax.program.ghost import squared_norm
 from dpzero_jax.program.interpret import bind, run
 
@@ -247,9 +248,10 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip
     return handler
 
 
-def program_fused(cfg, plan, params, batch, mask):
+def program_fused(cfg, plan, params, batch, mask, layout=None):
     """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``: one forward (``vmap`` over
-    the examples inside one ``jax.vjp``), one pullback."""
+    the examples inside one ``jax.vjp``), one pullback. With a ZeRO-3 ``layout``: on the shards, gathered at each
+    use (:mod:`dpzero_jax.program.zero3`); every sum comes back in its owner's layout."""
     heads, fallback_groups, booked = local_groups(plan)
     booked_leaves = {i for i, path in enumerate(plan.paths) if plan.group_of[path] in booked}
     leaves, treedef = jax.tree.flatten(params)
@@ -262,10 +264,12 @@ def program_fused(cfg, plan, params, batch, mask):
     booked_sites = frozenset(path for path, s in analysis.sites.items() if s.view.leaf in booked_leaves)
     handler = _fused_handler(plan, heads, booked_sites, cfg.norm_method, cfg.clip_fn, cfg.gamma)
 
+    held = zero3.held(plan.paths, leaves, layout)
+
     def forward(trained, copies, sinks, probes):
-        values = list(leaves)
+        values = list(held)
         for i, v in zip(site_leaves, trained):
-            values[i] = v
+            values[i] = zero3.hold(plan.paths[i], v, layout)
 
         def one(copies_i, example, sinks_i, keep_i, probes_i):
             local = list(values)
@@ -288,7 +292,7 @@ def program_fused(cfg, plan, params, batch, mask):
 
     sinks = {path: jnp.zeros((size,) + tuple(plan.iterations.get(group, ())), jnp.float32)
              for path, (group, _) in heads.items()}
-    copies = [jnp.broadcast_to(leaves[i], (size,) + leaves[i].shape) for i in fallback]
+    copies = [jnp.broadcast_to(w, (size,) + w.shape) for w in (zero3.materialise(held[i]) for i in fallback)]
     probes = {path: jnp.zeros((size,) + bk.zero_probe(analysis.sites[path]).shape,
                               analysis.sites[path].out_aval.dtype) for path in booked_sites}
     losses, pullback, records = jax.vjp(forward, [leaves[i] for i in site_leaves], copies, sinks, probes,
@@ -309,10 +313,11 @@ def program_fused(cfg, plan, params, batch, mask):
         sq[group] = sum(jnp.sum(jnp.square(per_example[i].astype(jnp.float32)).reshape(size, -1), axis=1)
                         for i in members)
     summers = {}
+    whole = bk.whole_leaves(plan, leaves, layout, probe_ct)
     if booked:   # book-keeping's norms and clipped sums, from the records and probe cotangents of the same pass
-        terms = bk._leaf_terms(plan, leaves, records, probe_ct, fallback_ct, captured=booked_leaves,
+        terms = bk._leaf_terms(plan, whole, records, probe_ct, fallback_ct, captured=booked_leaves,
                                method=cfg.norm_method)
-        booked_sq, summers = bk.norms_and_summers(cfg, plan, leaves,
+        booked_sq, summers = bk.norms_and_summers(cfg, plan, whole,
                                                   {i: t for i, t in terms.items() if i in booked_leaves}, size)
         for i, value in booked_sq.items():
             group = plan.group_of[plan.paths[i]]
@@ -322,12 +327,14 @@ def program_fused(cfg, plan, params, batch, mask):
     keep = jnp.logical_and(mask, jnp.isfinite(losses))
     coef = jnp.concatenate([clipping.coefficients(norms[:, m:m + 1], thresholds[m:m + 1], keep, cfg.clip_fn,
                                                   cfg.gamma) for m in range(n_groups)], axis=1)
-    out = [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves]
-    for i, value in zip(site_leaves, sums):
-        out[i] = value.astype(jnp.float32)
+    formed = {i: zero3.ready(v) for i, v in zip(site_leaves, sums)}
     for group, members in fallback_groups.items():
         for i in members:
-            out[i] = pergrad.weighted_sum([pergrad.Direct(per_example[i])], coef[:, group]).reshape(leaves[i].shape)
+            formed[i] = bk.clipped_sum(lambda c, i=i: pergrad.weighted_sum([pergrad.Direct(per_example[i])], c),
+                                       coef[:, group], whole[i])
     for i, summer in summers.items():
-        out[i] = summer(coef[:, plan.group_of[plan.paths[i]]]).reshape(leaves[i].shape).astype(jnp.float32)
+        formed[i] = bk.clipped_sum(summer, coef[:, plan.group_of[plan.paths[i]]], whole[i])
+    # sums that autodiff formed (site leaves clipped in their backward) are in the owners' layout already
+    scattered = frozenset(site_leaves) - set(summers) - {i for m in fallback_groups.values() for i in m}
+    out = zero3.owned(plan.paths, leaves, formed, layout, scattered=scattered)
     return losses, jax.tree.unflatten(treedef, out), norms, coef

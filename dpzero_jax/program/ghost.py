@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax import pergrad, spmd
-from dpzero_jax.program import conv
+from dpzero_jax.program import conv, zero3
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.interpret import add_probe, run
@@ -135,9 +135,10 @@ def _sink(site):
     return jnp.zeros(tuple(site.lengths), jnp.float32)
 
 
-def program_ghost(cfg, plan, params, batch, mask):
+def program_ghost(cfg, plan, params, batch, mask, layout=None):
     """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``: one forward (``vmap`` over
-    the examples inside one ``jax.vjp``), two pullbacks."""
+    the examples inside one ``jax.vjp``), two pullbacks. With a ZeRO-3 ``layout``: on the shards, gathered at
+    each use (:mod:`dpzero_jax.program.zero3`); every sum comes back in its owner's layout."""
     leaves, treedef = jax.tree.flatten(params)
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
@@ -154,10 +155,12 @@ def program_ghost(cfg, plan, params, batch, mask):
         ports = {p: records.pop(p) for p in ghost_paths}
         return (loss, ports), records
 
+    held = zero3.held(plan.paths, leaves, layout)
+
     def forward(trained, copies, site_inputs):
-        values = list(leaves)
+        values = list(held)
         for i, v in zip(ghost_leaves, trained):
-            values[i] = v
+            values[i] = zero3.hold(plan.paths[i], v, layout)
 
         def one(copies_i, example, inputs_i):
             local = list(values)
@@ -171,15 +174,16 @@ def program_ghost(cfg, plan, params, batch, mask):
                                           (size,) + tuple(site.lengths) + (() if path in ghost_paths else
                                                                            tuple(site.out_aval.shape)))
                    for path, site in analysis.sites.items()}
-    copies = [jnp.broadcast_to(leaves[i], (size,) + leaves[i].shape) for i in fallback]
+    copies = [jnp.broadcast_to(w, (size,) + w.shape) for w in (zero3.materialise(held[i]) for i in fallback)]
     (losses, ports), pullback, records = jax.vjp(forward, [leaves[i] for i in ghost_leaves], copies, site_inputs,
                                                  has_aux=True)
     ones = jnp.ones_like(losses)
     _, fallback_ct, cotangents = pullback((ones, jax.tree.map(jnp.zeros_like, ports)))
 
     captured = {s.view.leaf for s in analysis.sites.values()} - set(ghost_leaves)
-    terms = bk._leaf_terms(plan, leaves, records, cotangents, fallback_ct, captured, method=cfg.norm_method)
-    sq, summers = bk.norms_and_summers(cfg, plan, leaves, terms, size)
+    whole = bk.whole_leaves(plan, leaves, layout, cotangents)
+    terms = bk._leaf_terms(plan, whole, records, cotangents, fallback_ct, captured, method=cfg.norm_method)
+    sq, summers = bk.norms_and_summers(cfg, plan, whole, terms, size)
     for path in ghost_paths:
         sq[analysis.sites[path].view.leaf] = jnp.sum(cotangents[path].reshape(size, -1), axis=1)
     norms, coef = bk.coefficients(cfg, plan, sq, losses, mask, size)
@@ -187,13 +191,7 @@ def program_ghost(cfg, plan, params, batch, mask):
     port_ct = {path: jnp.broadcast_to(coef[:, plan.group_of[plan.paths[analysis.sites[path].view.leaf]]].reshape(
         (size,) + (1,) * (ports[path].ndim - 1)), ports[path].shape) for path in ghost_paths}
     ghost_sums, _, _ = pullback((ones, port_ct))
-    sums = dict(zip(ghost_leaves, ghost_sums))
-    out = []
-    for i, leaf in enumerate(leaves):
-        if i in sums:
-            out.append(sums[i].astype(jnp.float32))
-        elif i in summers:
-            out.append(summers[i](coef[:, plan.group_of[plan.paths[i]]]).reshape(leaf.shape).astype(jnp.float32))
-        else:
-            out.append(jnp.zeros(leaf.shape, jnp.float32))
+    sums = {i: bk.clipped_sum(summers[i], coef[:, plan.group_of[plan.paths[i]]], whole[i]) for i in summers}
+    sums.update({i: zero3.ready(v) for i, v in zip(ghost_leaves, ghost_sums)})
+    out = zero3.owned(plan.paths, leaves, sums, layout, scattered=frozenset(ghost_leaves))
     return losses, jax.tree.unflatten(treedef, out), norms, coef

@@ -14,9 +14,12 @@ parameter gradient by autodiff. Every other equation is bound as it is. Sub-prog
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.extend import core as jcore
 
+from dpzero_jax.program import zero3
 from dpzero_jax.program.analyze import Analysis, _sub_jaxpr
 
 
@@ -58,16 +61,32 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
         here = path + (index,)
         invals = [read(v) for v in eqn.invars]
         site = analysis.sites.get(here)
+        sharded = any(isinstance(v, zero3.Deferred) for v in invals)
         if site is not None:
-            outs = handler(site, invals, probes[here], records)
+            if sharded:
+                outs, inner = zero3.at_use(_handled(handler, site), invals, probes[here])
+                records.update(inner)
+            else:
+                outs = handler(site, invals, probes[here], records)
         elif here in analysis.containers:
             outs = _enter(eqn, invals, analysis, _under(probes, here), records, here, handler)
+        elif sharded:
+            outs = zero3.defer(eqn, invals, bind) or zero3.at_use(functools.partial(bind, eqn), invals)
         else:
             outs = bind(eqn, invals)
         for var, value in zip(eqn.outvars, outs):
             if not isinstance(var, jcore.DropVar):
                 env[var] = value
-    return [read(v) for v in jaxpr.outvars]
+    return [zero3.materialise(read(v)) for v in jaxpr.outvars]
+
+
+def _handled(handler, site):
+    """The site's handler as a pure function of its operand values and site input: ``(outputs, records)``."""
+    def use(values, site_input):
+        inner: dict = {}
+        outs = handler(site, values, site_input, inner)
+        return outs, inner
+    return use
 
 
 def _enter(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tuple, handler) -> list:
@@ -94,9 +113,16 @@ def _scan(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tu
     body = params["jaxpr"]
     n_consts, n_carry = params["num_consts"], params["num_carry"]
     consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
+    carry = [zero3.materialise(v) for v in carry]
+    # ZeRO-3 shards of stacked leaves are sliced by the scan (each iteration gathers its slice); other deferred
+    # scanned values are made whole first
+    sliced = [zero3.scan_slices(v) for v in xs]
+    rebuild = [None if s is None else s[1] for s in sliced]
+    xs = [zero3.materialise(v) if s is None else s[0] for v, s in zip(xs, sliced)]
 
     def step(carry, scanned):
         x_slices, probe_slices = scanned
+        x_slices = [v if r is None else r(v) for v, r in zip(x_slices, rebuild)]
         inner: dict = {}
         outs = run(body.jaxpr, body.consts, list(consts) + list(carry) + list(x_slices), analysis, probe_slices,
                    inner, here, handler)

@@ -30,10 +30,11 @@ import numpy as np
 
 from dpzero_jax import clipping, pergrad, spmd
 from dpzero_jax import tape as tape_lib
-from dpzero_jax.program import conv
+from dpzero_jax.program import conv, zero3
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
 from dpzero_jax.program.interpret import add_probe, run
+from dpzero_jax.sketch import finite_zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,21 @@ def _single_example(loss_fn, treedef, example_treedef):
 
 def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> ProgramPlan:
     """Trace the single-example loss and find where each trainable leaf meets the example (see module doc)."""
+    closed, analysis = trace(loss_fn, params, batch)
+    order = sorted(analysis.sites.values(), key=lambda s: s.path)
+    layer_order = [clipping.parent(paths[s.view.leaf]) for s in order]
+    layer_order += [clipping.parent(paths[i]) for i in sorted(analysis.fallback)]
+    group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
+    iterations = {}
+    if cfg.scan_groups == "per-iteration":
+        group_of, group_names, iterations = split_per_iteration(analysis, paths, group_of, group_names)
+    thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
+    return ProgramPlan(tuple(paths), closed, analysis, group_of, group_names, tuple(float(t) for t in thresholds),
+                       batch_size, iterations=iterations)
+
+
+def trace(loss_fn, params, batch):
+    """``(closed jaxpr of the single-example loss, its analysis)``; ``params`` may be ``ShapeDtypeStruct``."""
     leaves, treedef = jax.tree.flatten(params)
     example_leaves, example_treedef = jax.tree.flatten(batch)
     abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
@@ -83,16 +99,7 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
         if not jnp.issubdtype(site.out_aval.dtype, jnp.inexact):
             analysis.mark_fallback({site.view.leaf}, f"used by '{site.eqn.primitive.name}' with an integer result")
     analysis.finish()
-    order = sorted(analysis.sites.values(), key=lambda s: s.path)
-    layer_order = [clipping.parent(paths[s.view.leaf]) for s in order]
-    layer_order += [clipping.parent(paths[i]) for i in sorted(analysis.fallback)]
-    group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
-    iterations = {}
-    if cfg.scan_groups == "per-iteration":
-        group_of, group_names, iterations = split_per_iteration(analysis, paths, group_of, group_names)
-    thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
-    return ProgramPlan(tuple(paths), closed, analysis, group_of, group_names, tuple(float(t) for t in thresholds),
-                       batch_size, iterations=iterations)
+    return closed, analysis
 
 
 def split_per_iteration(analysis: Analysis, paths, group_of: dict, group_names: tuple):
@@ -150,13 +157,16 @@ def zero_probe(site):
     return jnp.zeros(tuple(site.lengths) + tuple(site.out_aval.shape), site.out_aval.dtype)
 
 
-def _pass(plan: ProgramPlan, leaves, batch_leaves):
+def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
     """The probed forward and one VJP, per example: ``(losses [B], records, probe cotangents, fallback grads)``;
-    a site's records and probe cotangent ``[B, *scan lengths, ...]``."""
+    a site's records and probe cotangent ``[B, *scan lengths, ...]``. With a ZeRO-3 ``layout`` the leaves are
+    this device's shards, gathered at their uses (:mod:`dpzero_jax.program.zero3`); fallback leaves whole."""
     analysis = plan.analysis
     fallback = sorted(analysis.fallback)
+    held = zero3.held(plan.paths, leaves, layout)
+    fallback_whole = [zero3.materialise(held[i]) for i in fallback]
 
-    def per_example(leaves, example):
+    def per_example(leaves, fallback_whole, example):
         probes = {path: zero_probe(site) for path, site in analysis.sites.items()}
 
         def forward(probes, fallback_values):
@@ -168,7 +178,7 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves):
                           handler=add_probe)
             return loss, records
 
-        loss, pullback, records = jax.vjp(forward, probes, [leaves[i] for i in fallback], has_aux=True)
+        loss, pullback, records = jax.vjp(forward, probes, fallback_whole, has_aux=True)
         probe_ct, fallback_ct = pullback(jnp.ones_like(loss))
         return loss, records, probe_ct, fallback_ct
 
@@ -178,9 +188,9 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves):
     depth = {path: len(site.lengths) for path, site in analysis.sites.items()}
     out_axes = (0, {path: [depth[path]] * len(site.recorded) for path, site in analysis.sites.items()}, depth, 0)
     # spmd_axis_name: under a GSPMD step the example axis is split over the batch axes (dpzero_jax.spmd)
-    losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, 0), out_axes=out_axes,
+    losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
                                                       spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
-        list(leaves), list(batch_leaves))
+        held, fallback_whole, list(batch_leaves))
 
     def examples_first(tree):
         return {path: jax.tree.map(lambda x, axis=depth[path]: jnp.moveaxis(x, axis, 0), value)
@@ -308,22 +318,40 @@ def coefficients(cfg, plan: ProgramPlan, sq: dict, losses, mask, size: int):
     return norms, clipping.coefficients(norms, jnp.asarray(plan.thresholds), keep, cfg.clip_fn, cfg.gamma)
 
 
-def program_bk(cfg, plan: ProgramPlan, params, batch, mask):
-    """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])`` on one (micro)batch."""
+def program_bk(cfg, plan: ProgramPlan, params, batch, mask, layout=None):
+    """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])`` on one (micro)batch. With a
+    ZeRO-3 ``layout`` (:class:`~dpzero_jax.sharding.ShardLayout`, inside ``jax.shard_map``): ``params`` are this
+    device's shards, gathered at each use, and each sum comes back reduce-scattered to its owner."""
     leaves, treedef = jax.tree.flatten(params)
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
-    losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves)
-    terms = _leaf_terms(plan, leaves, records, probe_ct, fallback_ct, method=cfg.norm_method)
-    sq, summers = norms_and_summers(cfg, plan, leaves, terms, size)
+    losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves, layout)
+    whole = whole_leaves(plan, leaves, layout, probe_ct)
+    terms = _leaf_terms(plan, whole, records, probe_ct, fallback_ct, method=cfg.norm_method)
+    sq, summers = norms_and_summers(cfg, plan, whole, terms, size)
     norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
-    out = []
-    for i, leaf in enumerate(leaves):
-        if i in summers:
-            out.append(summers[i](coef[:, plan.group_of[plan.paths[i]]]).reshape(leaf.shape).astype(jnp.float32))
-        else:
-            out.append(jnp.zeros(leaf.shape, jnp.float32))
-    return losses, jax.tree.unflatten(treedef, out), norms, coef
+    sums = {i: clipped_sum(summers[i], coef[:, plan.group_of[plan.paths[i]]], whole[i]) for i in summers}
+    return losses, jax.tree.unflatten(treedef, zero3.owned(plan.paths, leaves, sums, layout)), norms, coef
+
+
+def clipped_sum(summer, coef, leaf):
+    """``after -> sum_i coef_i g_i`` (the leaf's shape, float32), formed once ``after`` exists (None: at once)."""
+    def form(after):
+        scale = coef if after is None else coef + finite_zero(after)
+        return summer(scale).reshape(leaf.shape).astype(jnp.float32)
+    return form
+
+
+def whole_leaves(plan: ProgramPlan, leaves, layout, probe_ct) -> list:
+    """The whole leaves :func:`_leaf_terms` reads (see :func:`~dpzero_jax.program.zero3.whole`): a sharded leaf
+    with a local or convolution site is gathered after that site's output gradient exists; others need shapes."""
+    if layout is None:
+        return list(leaves)
+    after = {}
+    for path, site in sorted(plan.analysis.sites.items()):
+        if site.kind in ("local", "conv") and path in probe_ct:
+            after.setdefault(site.view.leaf, probe_ct[path])
+    return zero3.whole(plan.paths, leaves, layout, frozenset(after), after)
 
 
 def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:

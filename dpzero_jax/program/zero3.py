@@ -1,0 +1,252 @@
+"""ZeRO-3 shards on the traced program: each parameter gathered where the program uses it, never kept whole.
+
+Under the ``explicit`` strategy at stage 3 (:mod:`dpzero_jax.sharding`) the traced-program front-end receives
+this device's ``fsdp`` shards. The interpreter (:mod:`dpzero_jax.program.interpret`) then holds each sharded
+leaf as a :class:`Deferred` value: the shard plus how to make the whole value from it. Equations that read only
+deferred values and literals (the structural chain from a leaf to its use: casts, reshapes, transposes,
+broadcasts) are deferred too; an equation that combines a deferred value with anything else -- the use -- runs
+inside :func:`at_use`:
+
+* the weight is all-gathered over ``fsdp`` just there, after the use's other operand exists (a data dependency
+  that changes no value and that ``jax.vmap`` over the examples does not turn into one gather per example:
+  :func:`_after`), then the chain is replayed on it;
+* the use is a ``custom_vjp`` whose residuals are the shards, so the whole weight is not a residual of the
+  step's pullback: the backward pass gathers it again once the use's output cotangent exists and differentiates
+  the use there, one use at a time (the layer-by-layer schedule of paper 003);
+* the cotangent of a differentiated shard (ghost and fused modes differentiate the weights) is the
+  ``psum_scatter`` of the whole weight's: autodiff of the gather.
+
+Inside ``lax.scan`` a leaf stacked over the iterations, sharded on another dimension, stays a shard: the scan
+slices the shard and each iteration gathers its own slice (:func:`scan_slices`). A chain applied to a stacked leaf
+before the scan, or a leaf sharded along its stacking axis, is gathered whole before the scan (correct; not layer
+by layer). A leading cast to a lower precision is applied to the shard before gathering (the same value at
+fewer bytes, as the layers front-end does for bf16 compute).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from dpzero_jax.sketch import finite_zero
+
+
+@jax.tree_util.register_pytree_node_class
+class Deferred:
+    """A value computed from parameter shards alone, made whole only at its use.
+
+    ``shards``: arrays (this device's parts); ``dims``: per shard, the dimension it is split on over ``fsdp``;
+    ``fn(*wholes) -> value``: the chain from the whole values to this one (None: the single shard's whole value).
+    """
+
+    def __init__(self, shards: tuple, dims: tuple, fn=None):
+        self.shards, self.dims, self.fn = tuple(shards), tuple(dims), fn
+
+    def tree_flatten(self):
+        return self.shards, (self.dims, self.fn)
+
+    @classmethod
+    def tree_unflatten(cls, aux, shards):
+        return cls(shards, *aux)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.fn is None and len(self.shards) == 1
+
+    def whole(self, after=None):
+        """The value, gathering each shard (after ``after`` exists, when given)."""
+        wholes = [_gather(s, d, after) for s, d in zip(self.shards, self.dims)]
+        return wholes[0] if self.fn is None else self.fn(*wholes)
+
+
+def leaf(shard, dim: int | None):
+    """``shard`` as the interpreter holds it: a :class:`Deferred` when it is split over ``fsdp`` (``dim``)."""
+    return shard if dim is None else Deferred((shard,), (dim,))
+
+
+def _gather(shard, dim: int, after):
+    if after is not None:
+        shard = _after(shard, jax.lax.stop_gradient(after))
+    return jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
+
+
+@custom_vmap
+def _after(shard, after):
+    """``shard`` unchanged, computed once ``after`` exists (:func:`dpzero_jax.sketch.finite_zero`)."""
+    return shard + finite_zero(after).astype(shard.dtype)
+
+
+@_after.def_vmap
+def _after_batched(axis_size, in_batched, shard, after):
+    # Over the examples the dependency is on one example's value: the weight stays one (unbatched) array, so the
+    # gather is one collective, not one per example.
+    shard_batched, after_batched = in_batched
+    anchor = after[0] if after_batched else after
+    return shard + finite_zero(anchor).astype(shard.dtype), shard_batched
+
+
+def defer(eqn, invals, bind) -> list | None:
+    """The outputs of ``eqn`` as deferred values when its inputs are deferred values and literals only (else None).
+    A cast of a single leaf to a narrower float type is applied to the shard itself."""
+    if any(not isinstance(v, Deferred) and not _is_literal(v) for v in invals):
+        return None
+    deferred = [v for v in invals if isinstance(v, Deferred)]
+    if (eqn.primitive.name == "convert_element_type" and len(deferred) == 1 and deferred[0].is_leaf
+            and len(eqn.outvars) == 1 and _narrower(deferred[0].shards[0].dtype, eqn.params["new_dtype"])):
+        d = deferred[0]
+        return [Deferred((bind(eqn, [d.shards[0]])[0],), d.dims)]
+    shards, dims, spans = [], [], []
+    for v in deferred:
+        spans.append((len(shards), len(v.shards)))
+        shards.extend(v.shards)
+        dims.extend(v.dims)
+
+    def replay(*wholes, k):
+        values, j = [], 0
+        for v in invals:
+            if isinstance(v, Deferred):
+                start, n = spans[j]
+                parts = wholes[start:start + n]
+                values.append(parts[0] if v.fn is None else v.fn(*parts))
+                j += 1
+            else:
+                values.append(v)
+        return bind(eqn, values)[k]
+
+    return [Deferred(shards, dims, functools.partial(replay, k=k)) for k in range(len(eqn.outvars))]
+
+
+def at_use(fn, invals, *extra):
+    """``fn(values, *extra)`` with every deferred value in ``invals`` and ``extra`` made whole just before the use.
+
+    The whole weights enter a ``custom_vjp`` that keeps the shards, not them: its backward gathers again once the
+    use's output cotangent exists and differentiates ``fn`` there (the forward's gather is an ordinary
+    ``all_gather``, whose transpose brings a differentiated weight's cotangent to its owner). ``fn``'s outputs may
+    be any pytree of arrays (a site handler's outputs and records)."""
+    flat, treedef = jax.tree.flatten((list(invals), extra), is_leaf=lambda x: isinstance(x, Deferred))
+    after = next((v for v in invals if _is_array(v)), None)
+    positions = [i for i, v in enumerate(flat) if isinstance(v, Deferred)]
+    deferred = [flat[i] for i in positions]
+    arrays = [i for i, v in enumerate(flat) if _is_array(v)]
+    floating = [_inexact(flat[i]) for i in arrays]
+
+    def call(wholes, operands):
+        values = list(flat)
+        for i, v in zip(arrays, operands):
+            values[i] = v
+        for i, w in zip(positions, wholes):
+            values[i] = w
+        args, more = jax.tree.unflatten(treedef, values)
+        return fn(args, *more)
+
+    @jax.custom_vjp
+    def use(wholes, shards, operands):
+        return call(wholes, operands)
+
+    def forward(wholes, shards, operands):
+        return call(wholes, operands), (shards, operands)
+
+    def backward(saved, cotangent):
+        shards, operands = saved
+        # every cotangent enters the dependency: ghost mode's two pullbacks share the output gradients and differ in
+        # a record's (the clip coefficient's port); on the output gradient alone XLA would merge their gathers
+        anchor = sum(finite_zero(c) for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.inexact))
+        again = [Deferred(s, d.dims, d.fn).whole(anchor) for s, d in zip(shards, deferred)]
+
+        def of_floats(wholes, floats):
+            it = iter(floats)
+            return call(wholes, [next(it) if f else o for o, f in zip(operands, floating)])
+
+        _, pullback = jax.vjp(of_floats, again, [o for o, f in zip(operands, floating) if f])
+        whole_ct, float_ct = pullback(cotangent)
+        it = iter(float_ct)
+        return whole_ct, jax.tree.map(lambda _: None, shards), [next(it) if f else None for f in floating]
+
+    use.defvjp(forward, backward)
+    wholes = [d.whole(after) for d in deferred]
+    return use(wholes, [d.shards for d in deferred], [flat[i] for i in arrays])
+
+
+def materialise(value, after=None):
+    """A deferred value made whole (outside any use: outputs, scan carries); other values unchanged."""
+    return value.whole(after) if isinstance(value, Deferred) else value
+
+
+def scan_slices(value, stacked_axes: int = 1):
+    """For a deferred ``xs`` input of a scan: ``(scanned array, rebuild(slice) -> per-iteration value)`` when the
+    scan can slice the shard itself (a leaf, split on a dimension other than the stacking one); else None."""
+    if not isinstance(value, Deferred) or not value.is_leaf or value.dims[0] < stacked_axes:
+        return None
+    dim = value.dims[0] - stacked_axes
+    return value.shards[0], lambda piece: Deferred((piece,), (dim,))
+
+
+def _is_array(v) -> bool:
+    return not isinstance(v, Deferred) and (isinstance(v, jax.Array) or hasattr(v, "aval"))
+
+
+def _inexact(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _is_literal(v) -> bool:
+    return not isinstance(v, jax.Array) and not hasattr(v, "aval") and not isinstance(v, Deferred)
+
+
+def _narrower(dtype, new_dtype) -> bool:
+    return (jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(new_dtype, jnp.floating)
+            and jnp.finfo(new_dtype).bits < jnp.finfo(dtype).bits)
+
+
+def held(paths, leaves, layout) -> list:
+    """The leaves as the interpreter holds them: each leaf ``layout`` splits as a :class:`Deferred` shard."""
+    return [hold(path, x, layout) for path, x in zip(paths, leaves)]
+
+
+def hold(path: str, x, layout):
+    """One leaf as the interpreter holds it (a :class:`Deferred` shard if ``layout`` splits it)."""
+    return x if layout is None else leaf(x, layout.dim(path))
+
+
+def whole(paths, leaves, layout, needs_value=frozenset(), after=None) -> list:
+    """The whole leaves the per-example terms read after the pass: unsharded leaves as they are; a sharded leaf in
+    ``needs_value`` gathered (after ``after[i]`` exists, when given), any other one as its whole shape only."""
+    if layout is None:
+        return list(leaves)
+    out = []
+    for i, (path, x) in enumerate(zip(paths, leaves)):
+        dim = layout.dim(path)
+        if dim is None:
+            out.append(x)
+        elif i in needs_value:
+            out.append(_gather(x, dim, (after or {}).get(i)))
+        else:
+            out.append(layout.full(path))
+    return out
+
+
+def owned(paths, leaves, sums: dict, layout, scattered=frozenset()) -> list:
+    """The clipped sums in the leaves' layout: ``sums[i](after)`` gives leaf ``i``'s whole sum (float32), formed only
+    once ``after`` exists; zeros where a leaf has none. With a ``layout`` each whole sum goes to its owner
+    (``psum_scatter`` over ``fsdp``) before the next is formed -- one whole-size sum alive at a time -- except the
+    leaves in ``scattered`` (already in the owner's layout: the gradient of a differentiated shard)."""
+    out, previous = [], None
+    for i, (path, x) in enumerate(zip(paths, leaves)):
+        if i not in sums:
+            out.append(jnp.zeros(tuple(x.shape), jnp.float32))
+            continue
+        value = sums[i](previous if layout is not None else None)
+        if layout is not None and i not in scattered:
+            value = layout.scatter(path, value)
+        previous = value
+        out.append(value)
+    return out
+
+
+def ready(value):
+    """A sum already formed (by autodiff), as :func:`owned` takes it."""
+    return lambda after: value.astype(jnp.float32)
+
