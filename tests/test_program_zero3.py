@@ -5,6 +5,8 @@ decoder (tied ``nn.Embed`` head, a bare position table, ``nn.DenseGeneral`` atte
 References are independent of the engine: ``jax.vmap(jax.grad)`` per-example gradients on whole parameters,
 clipped and summed in the test; ``jax.grad`` of the mean loss; the model's own forward."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -103,22 +105,22 @@ def _assert_sums_close(actual, expected, rtol=1e-4):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("mode, scan, remat, groups", [
-    ("bk", False, False, "all-layer"),
-    ("bk", True, False, "param-wise"),
-    ("ghost", False, False, "param-wise"),
-    ("ghost", True, True, "all-layer"),
-    ("fused", True, False, "param-wise"),
-    ("auto", True, True, "all-layer"),
+@pytest.mark.parametrize("mode, scan, remat, groups, microbatch", [
+    ("bk", False, False, "all-layer", None),
+    ("bk", True, False, "param-wise", 1),      # each device's 2 examples one at a time, sums in the shards' layout
+    ("ghost", False, False, "param-wise", None),
+    ("ghost", True, True, "all-layer", None),
+    ("fused", True, False, "param-wise", None),
+    ("auto", True, True, "all-layer", None),
 ])
-def test_clipped_sum_on_shards_equals_vmap_grad(mode, scan, remat, groups):
+def test_clipped_sum_on_shards_equals_vmap_grad(mode, scan, remat, groups, microbatch):
     _, params, batch, loss_fn = _setup(scan, remat)
     rules = _rules()
     specs = jax.tree.leaves(rules.params(params), is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
     assert sum(s.spec != P() for s in specs) > len(specs) // 2          # most leaves arrive as shards
     mask = jnp.ones((BATCH,), bool).at[3].set(False)
     dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode, groups=groups,
-                  front_end="program")
+                  front_end="program", microbatch_size=microbatch)
     actual = _explicit_clipped_sum(loss_fn, dp, rules, params)(params, batch, mask)
     _assert_sums_close(actual, _reference_clipped_sum(loss_fn, params, batch, mask, 0.05, groups))
 
@@ -168,10 +170,15 @@ def test_trainer_explicit_strategy_on_standard_flax_layers(tmp_path):
     ``fsdp=8`` takes the one-device steps, private and not."""
     base = dict(model="cnn", steps=2, batch_size=64, log_every=1, progress=False, plot=False, checkpoint_every=0,
                 optimizer="sgd", lr=0.1, epsilon=3.0)
-    for extra in ({}, {"no_dp": True}):
-        one = Trainer(TrainConfig(out=str(tmp_path / f"1{len(extra)}"), **base, **extra)).run()
-        eight = Trainer(TrainConfig(out=str(tmp_path / f"8{len(extra)}"), mesh="fsdp=8", strategy="explicit",
-                                    **base, **extra)).run()
+    for name, extra in (("dp", {}), ("nodp", {"no_dp": True}), ("bf16", {"precision": "bf16"})):
+        one = Trainer(TrainConfig(out=str(tmp_path / f"1{name}"), **base, **extra)).run()
+        trainer = Trainer(TrainConfig(out=str(tmp_path / f"8{name}"), mesh="fsdp=8", strategy="explicit", **base,
+                                      **extra))
+        eight = trainer.run()
         assert any(leaf.sharding.spec != P() for leaf in jax.tree.leaves(eight.params))
         for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(eight.params), strict=True):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    # bf16 compute: each sharded kernel is cast to bf16 before its gather (the layer casts it anyway). Read from the
+    # lowered program: XLA:CPU widens bf16 collectives when it compiles.
+    gathered = re.findall(r"all_gather.*?-> tensor<[\dx]*x(\w+)>", trainer.lower_step().as_text())
+    assert gathered and set(gathered) == {"bf16"}
