@@ -40,12 +40,12 @@ ZeRO stages (paper 000 §2.2; Rajbhandari et al.)
     (engine modes ``bk``, ``ghost``, ``fused``; ``vmap`` differentiates per example and gathers every weight
     first). ``dpzero_jax`` layers gather in their own ``custom_vjp``; any other model is gathered by the
     traced-program front-end at each use of each leaf (:mod:`dpzero_jax.program.zero3`; inside a scan, one
-    iteration's slice at a time). At stages 1-2 parameters are whole on every device and the summed gradients go to their owners after
-    the local backward (``psum_scatter`` at stage 2, ``psum`` at stage 1). Everything is then summed over
-    ``data``; noise, normalisation and the optax update run on the owner's shard only (elementwise; no
-    communication). The collectives are those of non-private ZeRO (:func:`explicit_mean_gradient`): the DP step
-    and the non-private step differ only in the local computation (``ghost`` mode gathers each weight once more:
-    it has two backward passes).
+    iteration's slice at a time). At stages 1-2 parameters are whole on every device and the summed gradients go
+    to their owners after the local backward (``psum_scatter`` at stage 2, ``psum`` at stage 1). Everything is
+    then summed over ``data``; noise, normalisation and the optax update run on the owner's shard only
+    (elementwise; no communication). The collectives are those of non-private ZeRO
+    (:func:`explicit_mean_gradient`): the DP step and the non-private step differ only in the local computation
+    (``ghost`` mode gathers each weight once more: it has two backward passes).
 """
 
 from __future__ import annotations

@@ -182,3 +182,22 @@ def test_trainer_explicit_strategy_on_standard_flax_layers(tmp_path):
     # lowered program: XLA:CPU widens bf16 collectives when it compiles.
     gathered = re.findall(r"all_gather.*?-> tensor<[\dx]*x(\w+)>", trainer.lower_step().as_text())
     assert gathered and set(gathered) == {"bf16"}
+
+
+def test_non_private_gradient_of_scanned_dpzero_layers_on_shards():
+    """The bundled GPT-2 with ``scan_layers`` (``dz.nn`` layers inside ``lax.scan``: the traced-program front-end)
+    under the explicit strategy's non-private step: ``jax.grad`` of the mean loss. (Differentiating the gathers'
+    data dependency inside a linearised scan failed before it got its own derivative.)"""
+    from flax import nnx
+
+    import dpzero_jax as dz
+
+    config = dz.models.GPT2Config(vocab_size=128, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, scan_layers=True)
+    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(0)))
+    batch = {"input_ids": jnp.asarray(np.random.default_rng(1).integers(0, 128, (BATCH, SEQ)), jnp.int32)}
+    rules = _rules()
+    gradient = sharding.explicit_mean_gradient(loss_fn, rules, params)
+    mask = jnp.ones((BATCH,), bool)
+    _, grads = jax.jit(lambda p, b, m: gradient(p, b, None, m),
+                       in_shardings=(rules.params(params), rules.batch(batch), rules.batch(0)))(params, batch, mask)
+    _assert_sums_close(grads, jax.grad(lambda p: jnp.mean(loss_fn(p, batch)))(params))

@@ -69,8 +69,26 @@ def leaf(shard, dim: int | None):
 
 def _gather(shard, dim: int, after):
     if after is not None:
-        shard = _after(shard, jax.lax.stop_gradient(after))
+        shard = _depend(shard, jax.lax.stop_gradient(after))
     return jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
+
+
+@jax.custom_vjp
+def _depend(shard, after):
+    """:func:`_after` with the identity as its derivative in ``shard`` (and none in ``after``): autodiff never enters
+    the ``custom_vmap`` function (inside a linearised scan it cannot)."""
+    return _after(shard, after)
+
+
+def _depend_forward(shard, after):
+    return _after(shard, after), None
+
+
+def _depend_backward(_, cotangent):
+    return cotangent, None
+
+
+_depend.defvjp(_depend_forward, _depend_backward)
 
 
 @custom_vmap
