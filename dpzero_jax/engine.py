@@ -126,10 +126,9 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
         return "layers"  # differentiates the loss itself: any model
     wanted = cfg.front_end
     if cfg.scan_groups == "per-iteration":
-        if wanted == "layers" or layout is not None:
+        if wanted == "layers":
             raise ValueError("DPConfig.scan_groups='per-iteration' splits the groups of scanned, stacked parameters; "
-                             "it needs the traced-program front-end (front_end='auto' or 'program', whole "
-                             "parameters: no layer-by-layer ZeRO-3 gathering)")
+                             "it needs the traced-program front-end (front_end='auto' or 'program')")
         wanted = "program"
     if wanted == "auto":
         wanted = "program" if plan.outside else "layers"

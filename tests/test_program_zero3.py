@@ -32,7 +32,8 @@ class Block(nn.Module):
         h = h + nn.DenseGeneral(self.width, axis=(-2, -1), name="out")(y)
         y = nn.Dense(4 * self.width)(nn.LayerNorm()(h))
         gate = self.param("gate", nn.initializers.ones, (4,))   # stacked [L, 4] at L = 4: split on the scan axis
-        return h + nn.Dense(self.width)(jax.nn.gelu(y)) * jnp.mean(gate), None
+        y = nn.Dense(self.width)(jax.nn.gelu(y))
+        return h + (y.reshape(y.shape[:-1] + (4, -1)) * gate[:, None]).reshape(y.shape), None
 
 
 class Decoder(nn.Module):
@@ -71,18 +72,30 @@ def _rules(min_shard_elements=16):
     return sharding.ShardingRules(sharding.make_mesh(sharding.MeshShape(2, 4)), 3, min_shard_elements)
 
 
-def _reference_clipped_sum(loss_fn, params, batch, mask, max_grad_norm, groups):
-    """Clipped per-example gradients summed, from ``vmap(grad)``: one group, or one per leaf (R / sqrt(M))."""
+def _reference_clipped_sum(loss_fn, params, batch, mask, max_grad_norm, groups, per_iteration=False):
+    """Clipped per-example gradients summed, from ``vmap(grad)``: one group (``all-layer``), one per leaf
+    (``param-wise``) or per parent path (``layer-wise``; with ``per_iteration`` a scanned block's stacked leaves
+    split into one group per layer), each with threshold R / sqrt(M)."""
     per_example = jax.vmap(jax.grad(lambda p, ids: loss_fn(p, {"ids": ids[None]})[0]), in_axes=(None, 0))(
         params, batch["ids"])
+    paths = ["/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(per_example)]
     leaves = jax.tree.leaves(per_example)
-    sq = [jnp.sum(jnp.square(g.reshape(BATCH, -1)), axis=1) for g in leaves]
-    if groups == "all-layer":
-        coefs = [jnp.minimum(1.0, max_grad_norm / jnp.sqrt(sum(sq)))] * len(leaves)
-    else:
-        threshold = max_grad_norm / np.sqrt(len(leaves))
-        coefs = [jnp.minimum(1.0, threshold / jnp.sqrt(s)) for s in sq]
-    sums = [jnp.einsum("b,b...->...", c * mask, g) for c, g in zip(coefs, leaves)]
+    parts = []   # (group key, leaf index, iteration or None, per-example gradient [B, ...])
+    for i, (path, g) in enumerate(zip(paths, leaves)):
+        key = {"all-layer": "all", "param-wise": path}.get(groups, path.rsplit("/", 1)[0])
+        if per_iteration and path.startswith("Scan"):
+            parts += [((key, t), i, t, g[:, t]) for t in range(g.shape[1])]
+        else:
+            parts.append((key, i, None, g))
+    names = list(dict.fromkeys(key for key, *_ in parts))
+    sq = {name: 0.0 for name in names}
+    for key, _, _, g in parts:
+        sq[key] = sq[key] + jnp.sum(jnp.square(g.reshape(BATCH, -1)), axis=1)
+    threshold = max_grad_norm / np.sqrt(len(names))
+    sums = [jnp.zeros(g.shape[1:]) for g in leaves]
+    for key, i, t, g in parts:
+        part = jnp.einsum("b,b...->...", jnp.minimum(1.0, threshold / jnp.sqrt(sq[key])) * mask, g)
+        sums[i] = part if t is None else sums[i].at[t].set(part)
     return jax.tree.unflatten(jax.tree.structure(per_example), sums)
 
 
@@ -105,24 +118,26 @@ def _assert_sums_close(actual, expected, rtol=1e-4):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("mode, scan, remat, groups, microbatch", [
-    ("bk", False, False, "all-layer", None),
-    ("bk", True, False, "param-wise", 1),      # each device's 2 examples one at a time, sums in the shards' layout
-    ("ghost", False, False, "param-wise", None),
-    ("ghost", True, True, "all-layer", None),
-    ("fused", True, False, "param-wise", None),
-    ("auto", True, True, "all-layer", None),
+@pytest.mark.parametrize("mode, scan, remat, groups, microbatch, scan_groups", [
+    ("bk", False, False, "all-layer", None, "whole"),
+    ("bk", True, False, "param-wise", 1, "whole"),   # 2 examples per device one at a time, sums as shards
+    ("ghost", False, False, "param-wise", None, "whole"),
+    ("ghost", True, True, "all-layer", None, "whole"),
+    ("fused", False, False, "layer-wise", None, "whole"),   # bias and scale linked to their kernel's tap
+    ("fused", True, True, "layer-wise", None, "per-iteration"),   # each layer's slice a group of its own
+    ("auto", True, True, "all-layer", None, "whole"),
 ])
-def test_clipped_sum_on_shards_equals_vmap_grad(mode, scan, remat, groups, microbatch):
+def test_clipped_sum_on_shards_equals_vmap_grad(mode, scan, remat, groups, microbatch, scan_groups):
     _, params, batch, loss_fn = _setup(scan, remat)
     rules = _rules()
     specs = jax.tree.leaves(rules.params(params), is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
     assert sum(s.spec != P() for s in specs) > len(specs) // 2          # most leaves arrive as shards
     mask = jnp.ones((BATCH,), bool).at[3].set(False)
     dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode, groups=groups,
-                  front_end="program", microbatch_size=microbatch)
+                  front_end="program", microbatch_size=microbatch, scan_groups=scan_groups)
     actual = _explicit_clipped_sum(loss_fn, dp, rules, params)(params, batch, mask)
-    _assert_sums_close(actual, _reference_clipped_sum(loss_fn, params, batch, mask, 0.05, groups))
+    _assert_sums_close(actual, _reference_clipped_sum(loss_fn, params, batch, mask, 0.05, groups,
+                                                      scan_groups == "per-iteration"))
 
 
 @pytest.mark.parametrize("scan", [False, True])

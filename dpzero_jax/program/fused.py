@@ -245,6 +245,8 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip
         out, member_links = tap(y_data, y_weight, jax.lax.stop_gradient(w), held, ok, sink, keep, threshold, views)
         links.update(zip(heads[site.path][1], member_links))
         return [out]
+
+    handler.state = links   # the interpreter threads the links through a use it wraps (ZeRO-3 gathering)
     return handler
 
 

@@ -64,8 +64,13 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
         sharded = any(isinstance(v, zero3.Deferred) for v in invals)
         if site is not None:
             if sharded:
-                outs, inner = zero3.at_use(_handled(handler, site), invals, probes[here])
+                state = getattr(handler, "state", None)
+                outs, inner, state_out = zero3.at_use(_handled(handler, site, state), invals, probes[here],
+                                                      dict(state or {}))
                 records.update(inner)
+                if state is not None:
+                    state.clear()
+                    state.update(state_out)
             else:
                 outs = handler(site, invals, probes[here], records)
         elif here in analysis.containers:
@@ -80,12 +85,16 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
     return [zero3.materialise(read(v)) for v in jaxpr.outvars]
 
 
-def _handled(handler, site):
-    """The site's handler as a pure function of its operand values and site input: ``(outputs, records)``."""
-    def use(values, site_input):
+def _handled(handler, site, state: dict | None):
+    """The site's handler as a pure function of its operand values, site input and the handler's ``state`` (arrays
+    one site leaves for another, e.g. fused mode's links; None: no state): ``(outputs, records, state after)``."""
+    def use(values, site_input, state_in):
+        if state is not None:
+            state.clear()
+            state.update(state_in)
         inner: dict = {}
         outs = handler(site, values, site_input, inner)
-        return outs, inner
+        return outs, inner, dict(state or {})
     return use
 
 
@@ -114,21 +123,18 @@ def _scan(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: tu
     n_consts, n_carry = params["num_consts"], params["num_carry"]
     consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
     carry = [zero3.materialise(v) for v in carry]
-    # ZeRO-3 shards of stacked leaves are sliced by the scan (each iteration gathers its slice); other deferred
-    # scanned values are made whole first
-    sliced = [zero3.scan_slices(v) for v in xs]
-    rebuild = [None if s is None else s[1] for s in sliced]
-    xs = [zero3.materialise(v) if s is None else s[0] for v, s in zip(xs, sliced)]
+    # ZeRO-3 shards of stacked leaves (scanned inputs, or site inputs stacked over the iterations) are sliced by
+    # the scan: each iteration gathers its slice; other deferred scanned values are made whole first
+    scanned_in, rebuild = zero3.for_scan((list(xs), probes))
 
     def step(carry, scanned):
-        x_slices, probe_slices = scanned
-        x_slices = [v if r is None else r(v) for v, r in zip(x_slices, rebuild)]
+        x_slices, probe_slices = rebuild(scanned)
         inner: dict = {}
         outs = run(body.jaxpr, body.consts, list(consts) + list(carry) + list(x_slices), analysis, probe_slices,
                    inner, here, handler)
         return outs[:n_carry], (outs[n_carry:], inner)
 
-    carry_out, (ys, inner) = jax.lax.scan(step, list(carry), (list(xs), probes), length=params["length"],
+    carry_out, (ys, inner) = jax.lax.scan(step, list(carry), scanned_in, length=params["length"],
                                           reverse=params["reverse"], unroll=params["unroll"])
     records.update(inner)
     return list(carry_out) + list(ys)

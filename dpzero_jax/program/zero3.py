@@ -193,6 +193,22 @@ def materialise(value, after=None):
     return value.whole(after) if isinstance(value, Deferred) else value
 
 
+def for_scan(tree):
+    """``(tree of arrays to scan over, rebuild(slices) -> per-iteration tree)`` for a scan's ``xs`` (or per-site
+    inputs stacked over the iterations): each deferred leaf whose shard the scan can slice (:func:`scan_slices`)
+    is scanned as its shard and rebuilt as a deferred slice per iteration; other deferred values are made whole."""
+    flat, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, Deferred))
+    sliced = [scan_slices(v) for v in flat]
+    arrays = [materialise(v) if s is None else s[0] for v, s in zip(flat, sliced)]
+
+    def rebuild(pieces):
+        pieces = jax.tree.leaves(pieces) if pieces is not None else []
+        out = [p if s is None else s[1](p) for p, s in zip(pieces, sliced)]
+        return jax.tree.unflatten(treedef, out)
+
+    return jax.tree.unflatten(treedef, arrays), rebuild
+
+
 def scan_slices(value, stacked_axes: int = 1):
     """For a deferred ``xs`` input of a scan: ``(scanned array, rebuild(slice) -> per-iteration value)`` when the
     scan can slice the shard itself (a leaf, split on a dimension other than the stacking one); else None."""
