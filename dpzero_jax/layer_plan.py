@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from dpzero_jax import clipping
 from dpzero_jax import tape as tape_lib
@@ -101,6 +102,27 @@ def _used_inputs(closed_jaxpr) -> list[bool]:
     return used
 
 
+def _first_uses(jaxpr, invars, path: tuple = ()) -> dict[int, tuple]:
+    """``{k: path of the first equation that reads invars[k]}`` (entering sub-programs, whose inputs map one to
+    one onto their equation's operands: calls, ``scan``, ``remat``, custom-derivative functions)."""
+    position = {v: k for k, v in enumerate(invars)}
+    found: dict[int, tuple] = {}
+    for index, eqn in enumerate(jaxpr.eqns):
+        here = path + (index,)
+        sub = next((eqn.params[n] for n in ("jaxpr", "call_jaxpr", "fun_jaxpr") if n in eqn.params), None)
+        sub = getattr(sub, "jaxpr", sub)
+        for j, var in enumerate(eqn.invars):
+            k = position.get(var) if not isinstance(var, jcore.Literal) else None
+            if k is None or k in found:
+                continue
+            if sub is not None and hasattr(sub, "eqns") and len(sub.invars) == len(eqn.invars):
+                inner = _first_uses(sub, [sub.invars[j]], here)
+                found[k] = inner.get(0, here)
+            else:
+                found[k] = here
+    return found
+
+
 def used_outside_layers(fn: Callable, params, *args) -> list[str]:
     """Paths of the leaves of ``params`` that ``fn(params, *args)`` uses outside ``dpzero_jax`` layers (traced
     abstractly; ``params`` and ``args`` may be ``ShapeDtypeStruct``)."""
@@ -152,6 +174,9 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
         for name, path in record.param_paths:
             uses[path].append((record.index, name))
     layer_order = [clipping.parent(path) for r in trainable_records for _, path in r.param_paths]
+    if outside:   # leaves used outside dpzero_jax layers: in the order the traced program first uses them
+        first = _first_uses(closed.jaxpr, closed.jaxpr.invars[:len(leaves)])
+        layer_order += [clipping.parent(paths[i]) for i in sorted(first, key=first.get) if used[i]]
     group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
     thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
     return Plan(tuple(paths), trainable_records, {p: tuple(u) for p, u in uses.items()}, group_of, group_names,

@@ -94,12 +94,12 @@ def _make_model(cfg: TrainConfig, train_data, rngs: nnx.Rngs, label_names=None, 
         return model
     image_shape = train_data["image"].shape[1:]
     num_classes = int(train_data["label"].max()) + 1
+    dtype = None if cfg.precision == "fp32" else PRECISIONS[cfg.precision]   # nnx layers compute in `dtype`
     if cfg.model == "mlp":
         return models.MLP(models.MLPConfig(in_features=int(np.prod(image_shape)), hidden=cfg.hidden,
-                                           num_classes=num_classes), rngs=rngs)
+                                           num_classes=num_classes, dtype=dtype), rngs=rngs)
     size, _, channels = image_shape
     if cfg.model == "cnn":
-        dtype = None if cfg.precision == "fp32" else PRECISIONS[cfg.precision]   # nnx layers compute in `dtype`
         return models.CNN(models.CNNConfig(image_size=size, num_channels=channels, num_classes=num_classes,
                                            dtype=dtype), rngs=rngs)
     return models.ViT(models.ViTConfig(image_size=size, patch_size=2, num_channels=channels, hidden_size=64,

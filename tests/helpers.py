@@ -93,6 +93,29 @@ def mlp() -> Setup:
     return Setup("mlp", params, loss_fn, mlp_batch(12, scale=2.0), ("layers/0", "layers/1", "head"))
 
 
+class LayersMLP(nnx.Module):
+    """``dz.models.MLP`` built from ``dz.nn.Linear`` layers: planned by the layers front-end (its own features --
+    fused mode's refusals, auto's memory budget, autotune -- are tested on it)."""
+
+    def __init__(self, config: dz.models.MLPConfig, *, rngs: nnx.Rngs):
+        widths = (config.in_features,) + tuple(config.hidden)
+        self.layers = nnx.List([dz.nn.Linear(a, b, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
+        self.head = dz.nn.Linear(widths[-1], config.num_classes, rngs=rngs)
+
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        for layer in self.layers:
+            x = jax.nn.tanh(layer(x))
+        return self.head(x)
+
+
+@functools.cache
+def layers_mlp() -> Setup:
+    model = build(LayersMLP, dz.models.MLPConfig(in_features=12, hidden=(16, 16), num_classes=5), 4)
+    params, loss_fn = dz.models.classification_objective(model, input_key="x")
+    return Setup("layers-mlp", params, loss_fn, mlp_batch(12, scale=2.0), ("layers/0", "layers/1", "head"))
+
+
 SETUPS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False), "vit": vit, "mlp": mlp}
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import reference as ref
 from flax import nnx
-from helpers import B, Setup, build, check_private, gpt2, mlp, mlp_batch, private_fn
+from helpers import B, Setup, build, check_private, gpt2, layers_mlp, mlp, mlp_batch, private_fn
 
 import dpzero_jax as dz
 
@@ -237,14 +237,14 @@ def test_group_thresholds_length_must_match():
 
 @pytest.mark.parametrize("groups", ["all-layer", ("uniform", 2)])
 def test_fused_rejects_groups_spanning_layers(groups):
-    setup = mlp()
+    setup = layers_mlp()   # the layers front-end (the program front-end book-keeps such groups)
     with pytest.raises(ValueError, match="spans .* layer calls"):
         private_fn(setup.loss_fn, dz.DPConfig(groups=groups, mode="fused"))(setup.params, setup.batch,
                                                                              jax.random.key(0))
 
 
 def test_fused_rejects_user_groups_spanning_layers():
-    setup = mlp()
+    setup = layers_mlp()
     mapping = {p: "A" if p.endswith("kernel") else "B" for p in setup.grads}
     with pytest.raises(ValueError, match="fused"):
         private_fn(setup.loss_fn, dz.DPConfig(groups=mapping, mode="fused"))(setup.params, setup.batch,

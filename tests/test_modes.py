@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import reference as ref
 from flax import nnx
-from helpers import SETUPS, B, check_private, gpt2, mlp, vit
+from helpers import SETUPS, B, check_private, gpt2, layers_mlp, mlp, vit
 
 import dpzero_jax as dz
 
@@ -176,7 +176,7 @@ def test_auto_memory_budget_applies_on_a_gpu_not_on_a_tpu(monkeypatch):
 
     from dpzero_jax import engine
 
-    setup = mlp()
+    setup = layers_mlp()   # a layers-front-end plan
     cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="auto")
     plan = dz.make_plan(setup.loss_fn, cfg, setup.params, setup.batch)
 
@@ -196,7 +196,7 @@ def test_choose_mode_and_autotune_return_exact_concrete_modes():
     returns one whose gradient matches the reference."""
     import jax
 
-    setup = mlp()
+    setup = layers_mlp()   # a layers-front-end plan
     cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="auto")
     plan = dz.make_plan(setup.loss_fn, cfg, setup.params, setup.batch)
     assert dz.choose_mode(cfg, plan, backend="cpu").mode == "bk"

@@ -1,13 +1,12 @@
-"""A small multilayer perceptron classifier from DP layers."""
+"""A small multilayer perceptron classifier from standard Flax NNX layers (``nnx.Linear``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from flax import nnx
-
-from dpzero_jax import nn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +14,7 @@ class MLPConfig:
     in_features: int = 64
     hidden: tuple[int, ...] = (128, 128)
     num_classes: int = 10
+    dtype: Any = None   # the layers' compute dtype (None: promoted from inputs and parameters); parameters: float32
 
 
 class MLP(nnx.Module):
@@ -23,8 +23,9 @@ class MLP(nnx.Module):
     def __init__(self, config: MLPConfig, *, rngs: nnx.Rngs):
         self.config = config
         widths = (config.in_features,) + tuple(config.hidden)
-        self.layers = nnx.List([nn.Linear(a, b, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
-        self.head = nn.Linear(widths[-1], config.num_classes, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(a, b, dtype=config.dtype, rngs=rngs)
+                                for a, b in zip(widths[:-1], widths[1:])])
+        self.head = nnx.Linear(widths[-1], config.num_classes, dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0], -1)
