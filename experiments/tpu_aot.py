@@ -20,9 +20,9 @@ gradient layout, ``optax.adam`` update; parameters and Adam moments sharded by `
 the masked mean loss; ``dp``: ``private_value_and_grad`` with ``mode="auto"`` (``target="tpu"``, partitionable
 noise). Strategy ``gspmd``: one ``jax.jit`` with the rules' shardings, the gradient traced in
 ``dpzero_jax.spmd.batch_sharded`` as the trainer does (activations split over the batch); ``gspmd-nohint``: the same
-without it (what XLA's partitioner does unhinted); ``explicit``: ``sharding.explicit_*_gradient`` with
-``gather_by_layer=False`` (layer-by-layer gathering needs ``dz.nn`` layer calls, and the scanned models are planned by
-the program front-end: every weight is gathered before the local step).
+without it (what XLA's partitioner does unhinted); ``explicit``: ``sharding.explicit_*_gradient`` in ``shard_map``,
+each weight gathered at its uses and again in the backward pass (the scanned models are planned by the program
+front-end: one layer's slice of each stacked weight per iteration, :mod:`dpzero_jax.program.zero3`).
 Mesh ``(data, fsdp)``: ``fsdp`` is the largest divisor of the device count for which every weight has a dimension
 it divides (:func:`largest_fsdp`; GPT-2 XL's d = 1600 = 2^6 x 25 allows 64, so on 256 chips the mesh is data=4 x
 fsdp=64: model states sharded 64 ways, batch over all 256).
@@ -102,8 +102,10 @@ LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, n
 CASES = {
     "gpt2-xl": Case("gpt2-xl", "gpt2", tuple(GPT2_XL.items()), 1024, 1, "v5e:16x16",
                     strategies=("gspmd", "explicit", "gspmd-nohint")),
-    "gptj-6b": Case("gptj-6b", "gpt2", tuple(GPTJ_6B.items()), 2048, 1, "v5e:16x16", strategies=("gspmd",)),
-    "llama2-7b": Case("llama2-7b", "llama", tuple(LLAMA2_7B.items()), 2048, 1, "v5e:16x16", strategies=("gspmd",)),
+    "gptj-6b": Case("gptj-6b", "gpt2", tuple(GPTJ_6B.items()), 2048, 1, "v5e:16x16",
+                    strategies=("gspmd", "explicit")),
+    "llama2-7b": Case("llama2-7b", "llama", tuple(LLAMA2_7B.items()), 2048, 1, "v5e:16x16",
+                      strategies=("gspmd", "explicit")),
     "llama2-70b-lora": Case("llama2-70b-lora", "llama", tuple(LLAMA2_70B.items()), 2048, 1, "v5p:4x4x8",
                             lora_rank=8, strategies=("gspmd",)),
 }
@@ -258,10 +260,8 @@ def make_step(case: Case, variant: str, strategy: str, graphdef, trainable, para
         def gradient(p, batch, key, mask, frozen):
             loss = objective(frozen)
             if variant == "nonprivate":
-                return sharding.explicit_mean_gradient(loss, rules, params_struct, gather_by_layer=False)(
-                    p, batch, key, mask)
-            return sharding.explicit_private_gradient(loss, cfg, rules, params_struct, gather_by_layer=False)(
-                p, batch, key, mask)
+                return sharding.explicit_mean_gradient(loss, rules, params_struct)(p, batch, key, mask)
+            return sharding.explicit_private_gradient(loss, cfg, rules, params_struct)(p, batch, key, mask)
     elif variant == "nonprivate":
         def gradient(p, batch, key, mask, frozen):
             def mean_loss(q):
