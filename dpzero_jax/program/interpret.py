@@ -10,6 +10,9 @@ parameter gradient by autodiff. Every other equation is bound as it is. Sub-prog
 * ``remat``: re-emitted as ``jax.checkpoint`` with its policy around the interpreted body (probes in, records out);
 * ``scan``: re-emitted as ``lax.scan`` over the interpreted body, never unrolled: the sites' probes are extra
   scanned inputs and their records extra stacked outputs (leading axis: the iteration).
+
+Parameters given as ZeRO-3 shards are held as :class:`~dpzero_jax.program.zero3.Deferred` values and gathered at
+each use (:mod:`dpzero_jax.program.zero3`).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
         here = path + (index,)
         invals = [read(v) for v in eqn.invars]
         site = analysis.sites.get(here)
-        sharded = any(isinstance(v, zero3.Deferred) for v in invals)
+        sharded = zero3.holds_deferred(invals) or (site is not None and zero3.holds_deferred(probes[here]))
         if site is not None:
             if sharded:
                 state = getattr(handler, "state", None)

@@ -17,7 +17,8 @@ inside :func:`at_use`:
   ``psum_scatter`` of the whole weight's: autodiff of the gather.
 
 Inside ``lax.scan`` a leaf stacked over the iterations, sharded on another dimension, stays a shard: the scan
-slices the shard and each iteration gathers its own slice (:func:`scan_slices`). A chain applied to a stacked leaf
+slices the shard -- a scanned input, or inside per-site inputs stacked over the iterations -- and each iteration
+gathers its own slice (:func:`for_scan`). A chain applied to a stacked leaf
 before the scan, or a leaf sharded along its stacking axis, is gathered whole before the scan (correct; not layer
 by layer). A leading cast to a lower precision is applied to the shard before gathering (the same value at
 fewer bytes, as the layers front-end does for bf16 compute).
@@ -171,7 +172,8 @@ def at_use(fn, invals, *extra):
         shards, operands = saved
         # every cotangent enters the dependency: ghost mode's two pullbacks share the output gradients and differ in
         # a record's (the clip coefficient's port); on the output gradient alone XLA would merge their gathers
-        anchor = sum(finite_zero(c) for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.inexact))
+        anchors = [finite_zero(c) for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.inexact)]
+        anchor = sum(anchors[1:], anchors[0]) if anchors else None
         again = [Deferred(s, d.dims, d.fn).whole(anchor) for s, d in zip(shards, deferred)]
 
         def of_floats(wholes, floats):
@@ -186,6 +188,11 @@ def at_use(fn, invals, *extra):
     use.defvjp(forward, backward)
     wholes = [d.whole(after) for d in deferred]
     return use(wholes, [d.shards for d in deferred], [flat[i] for i in arrays])
+
+
+def holds_deferred(tree) -> bool:
+    """Whether ``tree`` (operand values, a site input) contains a :class:`Deferred` value."""
+    return any(isinstance(x, Deferred) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Deferred)))
 
 
 def materialise(value, after=None):
