@@ -197,6 +197,12 @@ def test_trainer_explicit_strategy_on_standard_flax_layers(tmp_path):
     # lowered program: XLA:CPU widens bf16 collectives when it compiles.
     gathered = re.findall(r"all_gather.*?-> tensor<[\dx]*x(\w+)>", trainer.lower_step().as_text())
     assert gathered and set(gathered) == {"bf16"}
+    # ghost mode differentiates the weights through their gathers: the gradient is still reduce-scattered in float32
+    ghost = Trainer(TrainConfig(out=str(tmp_path / "ghost"), mesh="fsdp=8", strategy="explicit", mode="ghost",
+                                precision="bf16", **base)).lower_step().as_text()
+    gathered = re.findall(r"all_gather.*?-> tensor<[\dx]*x(\w+)>", ghost)
+    scattered = re.findall(r"reduce_scatter.{0,400}?\}\) : \(tensor<[\dx]*x(\w+)>", ghost, re.S)
+    assert set(gathered) == {"bf16"} and scattered and set(scattered) == {"f32"}
 
 
 def test_non_private_gradient_of_scanned_dpzero_layers_on_shards():

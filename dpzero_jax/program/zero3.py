@@ -21,7 +21,8 @@ slices the shard -- a scanned input, or inside per-site inputs stacked over the 
 gathers its own slice (:func:`for_scan`). A chain applied to a stacked leaf
 before the scan, or a leaf sharded along its stacking axis, is gathered whole before the scan (correct; not layer
 by layer). A leading cast to a lower precision is applied to the shard before gathering (the same value at
-fewer bytes, as the layers front-end does for bf16 compute).
+fewer bytes, as the layers front-end does for bf16 compute); a differentiated weight's gradient is still
+reduce-scattered in its stored precision.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ class Deferred:
     """A value computed from parameter shards alone, made whole only at its use.
 
     ``shards``: arrays (this device's parts); ``dims``: per shard, the dimension it is split on over ``fsdp``;
-    ``fn(*wholes) -> value``: the chain from the whole values to this one (None: the single shard's whole value).
+    ``fn(*wholes) -> value``: the chain from the whole values to this one (None: the single shard's whole value);
+    ``casts``: per shard, a narrower float dtype it is gathered in (None: as stored).
     """
 
-    def __init__(self, shards: tuple, dims: tuple, fn=None):
+    def __init__(self, shards: tuple, dims: tuple, fn=None, casts: tuple | None = None):
         self.shards, self.dims, self.fn = tuple(shards), tuple(dims), fn
+        self.casts = tuple(casts) if casts is not None else (None,) * len(self.shards)
 
     def tree_flatten(self):
-        return self.shards, (self.dims, self.fn)
+        return self.shards, (self.dims, self.fn, self.casts)
 
     @classmethod
     def tree_unflatten(cls, aux, shards):
@@ -59,7 +62,7 @@ class Deferred:
 
     def whole(self, after=None):
         """The value, gathering each shard (after ``after`` exists, when given)."""
-        wholes = [_gather(s, d, after) for s, d in zip(self.shards, self.dims)]
+        wholes = [_gather(s, d, after, c) for s, d, c in zip(self.shards, self.dims, self.casts)]
         return wholes[0] if self.fn is None else self.fn(*wholes)
 
 
@@ -68,10 +71,30 @@ def leaf(shard, dim: int | None):
     return shard if dim is None else Deferred((shard,), (dim,))
 
 
-def _gather(shard, dim: int, after):
+def _gather(shard, dim: int, after, cast=None):
     if after is not None:
         shard = _depend(shard, jax.lax.stop_gradient(after))
-    return jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
+    if cast is None:
+        return jax.lax.all_gather(shard, "fsdp", axis=dim, tiled=True)
+    return _gather_cast(shard, dim, jnp.dtype(cast).name, jnp.dtype(shard.dtype).name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_cast(shard, dim: int, dtype: str, stored: str):
+    """All-gather ``shard`` in the narrower ``dtype`` (half the bytes in half precision); the gradient is
+    reduce-scattered in the stored dtype (float32), not in the narrow one."""
+    return jax.lax.all_gather(shard.astype(dtype), "fsdp", axis=dim, tiled=True)
+
+
+def _gather_cast_forward(shard, dim, dtype, stored):
+    return _gather_cast(shard, dim, dtype, stored), None
+
+
+def _gather_cast_backward(dim, dtype, stored, _, cotangent):
+    return (jax.lax.psum_scatter(cotangent.astype(stored), "fsdp", scatter_dimension=dim, tiled=True),)
+
+
+_gather_cast.defvjp(_gather_cast_forward, _gather_cast_backward)
 
 
 @jax.custom_vjp
@@ -116,7 +139,7 @@ def defer(eqn, invals, bind) -> list | None:
     if (eqn.primitive.name == "convert_element_type" and len(deferred) == 1 and deferred[0].is_leaf
             and len(eqn.outvars) == 1 and _narrower(deferred[0].shards[0].dtype, eqn.params["new_dtype"])):
         d = deferred[0]
-        return [Deferred((bind(eqn, [d.shards[0]])[0],), d.dims)]
+        return [Deferred(d.shards, d.dims, casts=(eqn.params["new_dtype"],))]
     shards, dims, spans = [], [], []
     for v in deferred:
         spans.append((len(shards), len(v.shards)))
@@ -174,7 +197,7 @@ def at_use(fn, invals, *extra):
         # a record's (the clip coefficient's port); on the output gradient alone XLA would merge their gathers
         anchors = [finite_zero(c) for c in jax.tree.leaves(cotangent) if jnp.issubdtype(c.dtype, jnp.inexact)]
         anchor = sum(anchors[1:], anchors[0]) if anchors else None
-        again = [Deferred(s, d.dims, d.fn).whole(anchor) for s, d in zip(shards, deferred)]
+        again = [Deferred(s, d.dims, d.fn, d.casts).whole(anchor) for s, d in zip(shards, deferred)]
 
         def of_floats(wholes, floats):
             it = iter(floats)
@@ -222,7 +245,7 @@ def scan_slices(value, stacked_axes: int = 1):
     if not isinstance(value, Deferred) or not value.is_leaf or value.dims[0] < stacked_axes:
         return None
     dim = value.dims[0] - stacked_axes
-    return value.shards[0], lambda piece: Deferred((piece,), (dim,))
+    return value.shards[0], lambda piece: Deferred((piece,), (dim,), casts=value.casts)
 
 
 def _is_array(v) -> bool:
