@@ -427,9 +427,9 @@ def _uses_outside_layers(fn, shards, inputs, layout) -> bool:
 
 
 def explicit_apply(apply_fn, rules: ShardingRules, params):
-    """``apply_fn(params, inputs) -> outputs [B, ...]`` (a forward pass built from :mod:`dpzero_jax.ops` layers) on
-    the stage's parameter layout, batch split over the mesh: at stage 3 each layer gathers its weights just before
-    use, as in the training step, instead of every weight at once."""
+    """``apply_fn(params, inputs) -> outputs [B, ...]`` (a forward pass) on the stage's parameter layout, batch split
+    over the mesh: at stage 3 each weight is gathered just before use, as in the training step, instead of every
+    weight at once (by its ``dpzero_jax`` layer, or at each use of the traced program for other models)."""
     layout = ShardLayout(rules, params) if rules.zero == 3 else None
     param_specs = _specs(rules.params(params))
     batch_spec = PartitionSpec(BATCH_AXES)
