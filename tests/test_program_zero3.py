@@ -205,20 +205,24 @@ def test_trainer_explicit_strategy_on_standard_flax_layers(tmp_path):
     assert set(gathered) == {"bf16"} and scattered and set(scattered) == {"f32"}
 
 
-def test_non_private_gradient_of_scanned_dpzero_layers_on_shards():
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_non_private_gradient_of_scanned_dpzero_layers_on_shards(dtype):
     """The bundled GPT-2 with ``scan_layers`` (``dz.nn`` layers inside ``lax.scan``: the traced-program front-end)
     under the explicit strategy's non-private step: ``jax.grad`` of the mean loss. (Differentiating the gathers'
-    data dependency inside a linearised scan failed before it got its own derivative.)"""
+    data dependency inside a linearised scan failed before it got its own derivative; with bf16 compute, a bias
+    cast to bf16 and then broadcast inside the scan was gathered in float32 before the cast was carried along the
+    chain.)"""
     from flax import nnx
 
     import dpzero_jax as dz
 
     config = dz.models.GPT2Config(vocab_size=128, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, scan_layers=True)
-    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(0)))
+    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(0), dtype=dtype))
     batch = {"input_ids": jnp.asarray(np.random.default_rng(1).integers(0, 128, (BATCH, SEQ)), jnp.int32)}
     rules = _rules()
     gradient = sharding.explicit_mean_gradient(loss_fn, rules, params)
     mask = jnp.ones((BATCH,), bool)
     _, grads = jax.jit(lambda p, b, m: gradient(p, b, None, m),
                        in_shardings=(rules.params(params), rules.batch(batch), rules.batch(0)))(params, batch, mask)
-    _assert_sums_close(grads, jax.grad(lambda p: jnp.mean(loss_fn(p, batch)))(params))
+    _assert_sums_close(grads, jax.grad(lambda p: jnp.mean(loss_fn(p, batch)))(params),
+                       rtol=1e-4 if dtype is None else 2e-2)   # bf16: the shards' sums add in another order

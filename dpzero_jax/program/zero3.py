@@ -140,11 +140,12 @@ def defer(eqn, invals, bind) -> list | None:
             and len(eqn.outvars) == 1 and _narrower(deferred[0].shards[0].dtype, eqn.params["new_dtype"])):
         d = deferred[0]
         return [Deferred(d.shards, d.dims, casts=(eqn.params["new_dtype"],))]
-    shards, dims, spans = [], [], []
+    shards, dims, casts, spans = [], [], [], []
     for v in deferred:
         spans.append((len(shards), len(v.shards)))
         shards.extend(v.shards)
         dims.extend(v.dims)
+        casts.extend(v.casts)
 
     def replay(*wholes, k):
         values, j = [], 0
@@ -158,7 +159,7 @@ def defer(eqn, invals, bind) -> list | None:
                 values.append(v)
         return bind(eqn, values)[k]
 
-    return [Deferred(shards, dims, functools.partial(replay, k=k)) for k in range(len(eqn.outvars))]
+    return [Deferred(shards, dims, functools.partial(replay, k=k), casts) for k in range(len(eqn.outvars))]
 
 
 def at_use(fn, invals, *extra):
