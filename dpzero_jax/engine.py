@@ -45,6 +45,7 @@ from dpzero_jax.layer_plan import (  # noqa: F401  (DPStats, Plan, make_plan, ..
     _microbatches,
     leaf_paths,
     make_plan,
+    whole_shapes,
 )
 from dpzero_jax.modes.bk import _bk, bk_forward  # noqa: F401  (bk_forward: re-exported)
 from dpzero_jax.modes.fused import _fused
@@ -189,7 +190,7 @@ def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=
     """Plan with the configured front-end and run the mode: ``(plan, concrete config, clipped result)``.
     ``thresholds``: ``[M]`` group thresholds replacing the plan's (see :func:`_with_thresholds`)."""
     cfg = resolve_target(cfg)
-    plan_params = params if layout is None else _whole_shapes(params, layout)
+    plan_params = params if layout is None else whole_shapes(params, layout)
     plan = _with_thresholds(make_plan(loss_fn, cfg, plan_params, batch, require_supported=False), thresholds)
     mask = _check_mask(mask, plan.batch_size)
     if _front_end(cfg, plan, layout) == "program":
@@ -219,11 +220,6 @@ def _clip(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None,
     stats = DPStats(squeeze(result.norms), squeeze(result.coef), jnp.sum(nonfinite).astype(jnp.int32),
                     jnp.sum(jnp.logical_and(mask, jnp.logical_not(nonfinite))).astype(jnp.int32))
     return plan, result, stats
-
-
-def _whole_shapes(params, layout):
-    """``ShapeDtypeStruct`` tree of the whole parameters whose shards ``params`` are."""
-    return jax.tree.unflatten(jax.tree.structure(params), [layout.full(path) for path in leaf_paths(params)])
 
 
 def clipped_grad_sum(loss_fn: Callable, cfg: DPConfig, *, layout=None) -> Callable:

@@ -62,6 +62,11 @@ def leaf_paths(tree) -> list[str]:
     return paths
 
 
+def whole_shapes(params, layout):
+    """``ShapeDtypeStruct`` tree of the whole parameters whose ZeRO-3 shards ``params`` are (``layout.full``)."""
+    return jax.tree.unflatten(jax.tree.structure(params), [layout.full(path) for path in leaf_paths(params)])
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one abstract trace of the loss tells the engine (static: no arrays)."""
@@ -123,45 +128,46 @@ def _first_uses(jaxpr, invars, path: tuple = ()) -> dict[int, tuple]:
     return found
 
 
+def _discover(fn: Callable, params, *args):
+    """``fn(params, *args)`` traced abstractly under the discovery tape: ``(closed jaxpr, layer call records,
+    per leaf of params: whether the program uses it outside dpzero_jax layers)``."""
+    leaves, treedef = jax.tree.flatten(params)
+    paths = leaf_paths(params)
+    records: list[tape_lib.CallRecord] = []
+
+    def traced(leaves, args):
+        discovery = tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)})
+        with tape_lib.active(discovery):
+            out = fn(jax.tree.unflatten(treedef, leaves), *args)
+        records.extend(discovery.records)
+        return out
+
+    closed = jax.make_jaxpr(traced)(_abstract(leaves), _abstract(args))
+    return closed, records, _used_inputs(closed)[:len(leaves)]
+
+
 def used_outside_layers(fn: Callable, params, *args) -> list[str]:
     """Paths of the leaves of ``params`` that ``fn(params, *args)`` uses outside ``dpzero_jax`` layers (traced
     abstractly; ``params`` and ``args`` may be ``ShapeDtypeStruct``)."""
-    leaves, treedef = jax.tree.flatten(params)
-    paths = leaf_paths(params)
-
-    def traced(leaves, args):
-        with tape_lib.active(tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)})):
-            return fn(jax.tree.unflatten(treedef, leaves), *args)
-
-    used = _used_inputs(jax.make_jaxpr(traced)(_abstract(leaves), _abstract(args)))[:len(leaves)]
-    return [path for path, u in zip(paths, used) if u]
+    _, _, used = _discover(fn, params, *args)
+    return [path for path, u in zip(leaf_paths(params), used) if u]
 
 
 def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_supported: bool = True) -> Plan:
     """Trace ``loss_fn`` abstractly once and plan the private gradient (see the module docstring)."""
-    leaves, treedef = jax.tree.flatten(params)
+    leaves = jax.tree.leaves(params)
     paths = leaf_paths(params)
     for path, leaf in zip(paths, leaves):
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
             raise TypeError(f"trainable parameter {path!r} has dtype {jnp.result_type(leaf)}; trainable "
                             "parameters must be floating point (keep integer state out of params)")
     batch_size = _batch_size(batch)
-    records: list[tape_lib.CallRecord] = []
-
-    def traced(leaves, batch):
-        discovery = tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)})
-        with tape_lib.active(discovery):
-            losses = loss_fn(jax.tree.unflatten(treedef, leaves), batch)
-        records.extend(discovery.records)
-        return losses
-
-    closed = jax.make_jaxpr(traced)(_abstract(leaves), _abstract(batch))
+    closed, records, used = _discover(loss_fn, params, batch)
     out = closed.out_avals
     if len(out) != 1 or out[0].shape != (batch_size,):
         raise ValueError(f"loss_fn must return per-example losses of shape [B] = ({batch_size},); got "
                          f"{[tuple(a.shape) for a in out]}"
                          f"{' (for (losses, aux) pass has_aux=True)' if len(out) > 1 else ''}")
-    used = _used_inputs(closed)[:len(leaves)]
     outside = [path for path, u in zip(paths, used) if u]
     if require_supported and outside:
         raise UnsupportedParameterError(

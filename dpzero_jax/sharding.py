@@ -63,7 +63,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from dpzero_jax import noise
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.engine import clipped_grad_sum, leaf_paths, make_plan
-from dpzero_jax.layer_plan import used_outside_layers
+from dpzero_jax.layer_plan import used_outside_layers, whole_shapes
 from dpzero_jax.mesh_options import (  # noqa: F401  (the mesh's options, re-exported)
     AXES,
     BATCH_AXES,
@@ -422,8 +422,7 @@ def explicit_mean_gradient(loss_fn, rules: ShardingRules, params, *, gather_by_l
 def _uses_outside_layers(fn, shards, inputs, layout) -> bool:
     """Whether ``fn(params, inputs)`` uses a leaf outside ``dpzero_jax`` layers (then its traced program is gathered
     use by use instead of layer by layer)."""
-    whole = jax.tree.unflatten(jax.tree.structure(shards), [layout.full(path) for path in leaf_paths(shards)])
-    return bool(used_outside_layers(fn, whole, inputs))
+    return bool(used_outside_layers(fn, whole_shapes(shards, layout), inputs))
 
 
 def explicit_apply(apply_fn, rules: ShardingRules, params):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpzero_jax import spmd
-from dpzero_jax.layer_plan import leaf_paths
+from dpzero_jax.layer_plan import leaf_paths, whole_shapes
 from dpzero_jax.program import zero3
 from dpzero_jax.program.analyze import CALLS, Analysis, _sub_jaxpr
 from dpzero_jax.program.interpret import bind, run
@@ -21,9 +21,8 @@ def mean_gradient_sum(loss_fn, params, batch, mask, layout):
     gradients)``, each sharded leaf gathered at its uses (:mod:`dpzero_jax.program.zero3`) and its gradient
     reduce-scattered to its owner by autodiff of the gather; ``params`` are this device's shards."""
     paths = leaf_paths(params)
-    whole = [layout.full(path) for path in paths]
     leaves, treedef = jax.tree.flatten(params)
-    closed, analysis = trace(loss_fn, jax.tree.unflatten(treedef, whole), batch)
+    closed, analysis = trace(loss_fn, whole_shapes(params, layout), batch)
     site_inputs = {path: None for path in analysis.sites}
 
     def plain(site, invals, _, records):
@@ -49,7 +48,7 @@ def gathered_apply(apply_fn, params, inputs, layout):
     paths = leaf_paths(params)
     leaves, treedef = jax.tree.flatten(params)
     input_leaves, input_treedef = jax.tree.flatten(inputs)
-    whole = jax.tree.unflatten(treedef, [layout.full(path) for path in paths])
+    whole = whole_shapes(params, layout)
 
     structure = {}
 

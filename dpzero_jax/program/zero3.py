@@ -258,7 +258,7 @@ def _inexact(x) -> bool:
 
 
 def _is_literal(v) -> bool:
-    return not isinstance(v, jax.Array) and not hasattr(v, "aval") and not isinstance(v, Deferred)
+    return not isinstance(v, Deferred) and not _is_array(v)
 
 
 def _narrower(dtype, new_dtype) -> bool:
