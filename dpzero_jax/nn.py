@@ -52,15 +52,25 @@ class DenseGeneral(nnx.Module):
         return ops.dense(x, self.kernel[...], bias, n_in=len(self.in_shape))
 
 
-def dense_shapes(layer: Linear | DenseGeneral | nnx.Linear) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def dense_shapes(layer: Linear | DenseGeneral | nnx.Linear | nnx.LinearGeneral) -> tuple[tuple[int, ...],
+                                                                                         tuple[int, ...]]:
     """``(in_shape, out_shape)`` of a dense layer as declared (without the leading axes of a stacked layer); also
-    Flax's own ``nnx.Linear``."""
+    Flax's own ``nnx.Linear`` and ``nnx.LinearGeneral`` (contracting its input's trailing axes, without batch axes:
+    anything else is refused, naming the layer's ``axis`` / ``batch_axis``)."""
     if isinstance(layer, (Linear, nnx.Linear)):
         return (layer.in_features,), (layer.out_features,)
+    if isinstance(layer, nnx.LinearGeneral):
+        in_shape, out_shape = tuple(layer.in_features), tuple(layer.out_features)
+        trailing = tuple(range(-len(in_shape), 0))
+        if tuple(layer.axis) != trailing or layer.batch_axis:
+            raise ValueError(f"an nnx.LinearGeneral contracting axes {tuple(layer.axis)} with batch axes "
+                             f"{dict(layer.batch_axis)}: only one contracting its input's trailing axes {trailing}, "
+                             "without batch axes, is supported here")
+        return in_shape, out_shape
     return tuple(layer.in_shape), tuple(layer.out_shape)
 
 
-def stacked_axes(layer: Linear | DenseGeneral | nnx.Linear) -> tuple[int, ...]:
+def stacked_axes(layer: Linear | DenseGeneral | nnx.Linear | nnx.LinearGeneral) -> tuple[int, ...]:
     """The leading axes of a stacked layer's kernel ``[*S, *in, *out]`` (layers created under ``nnx.vmap`` to be
     scanned), else ``()``; also on abstract (``nnx.eval_shape``) models."""
     in_shape, out_shape = dense_shapes(layer)

@@ -53,7 +53,7 @@ PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")   # a training run's `
 LORA_RANK = integer(1, "a positive int")   # add_lora's rank and PeftOptions.lora_rank
 LORA_ALPHA = number()
 DEFAULT_HEAD = "head|lm_head"
-DENSE_TYPES = (nn.Linear, nn.DenseGeneral, nnx.Linear)
+DENSE_TYPES = (nn.Linear, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
 
 Path = tuple  # an NNX path: a tuple of attribute names (str) and list indices (int)
 
@@ -85,7 +85,8 @@ class LoRA(nnx.Module):
     leading axes of a stacked base kernel ``[*S, *in, *out]`` in front: ``[*S, *in, rank]``, ``[*S, rank, *out]``).
     """
 
-    def __init__(self, base: nn.Linear | nn.DenseGeneral | nnx.Linear, *, rank: int, alpha: float, key: jax.Array):
+    def __init__(self, base: nn.Linear | nn.DenseGeneral | nnx.Linear | nnx.LinearGeneral, *, rank: int,
+                 alpha: float, key: jax.Array):
         in_shape, out_shape = nn.dense_shapes(base)
         self.base = base
         self.rank, self.alpha, self.scale = rank, float(alpha), float(alpha) / rank
@@ -189,7 +190,8 @@ def add_lora(model: nnx.Module, *, rank: int, alpha: float, key: jax.Array,
     if targets is None:
         chosen = default_lora_targets(model)
         if not chosen:
-            raise ValueError("peft: the model has no dense layer (dpzero_jax.nn.Linear / DenseGeneral, nnx.Linear) "
+            raise ValueError("peft: the model has no dense layer (dpzero_jax.nn.Linear / DenseGeneral, nnx.Linear / "
+                             "LinearGeneral) "
                              "for LoRA")
     else:
         chosen = _select(list(dense), _as_patterns(targets, "LoRA target"), "LoRA target", "dense layer")

@@ -75,7 +75,7 @@ def vit() -> Setup:
     rng = np.random.default_rng(11)
     batch = {"image": jnp.asarray(rng.standard_normal((B, 8, 8, 3)), jnp.float32),
              "label": jnp.asarray(rng.integers(0, 5, (B,)), jnp.int32)}
-    layers = ("patch_embed/proj", "cls_token", "position", "blocks/0/ln_1", "blocks/0/attn/c_attn",
+    layers = ("patch_embed", "cls_token", "position", "blocks/0/ln_1", "blocks/0/attn/c_attn",
               "blocks/0/attn/c_proj", "blocks/0/ln_2", "blocks/0/mlp/c_fc", "blocks/0/mlp/c_proj", "ln", "head")
     return Setup("vit", params, loss_fn, batch, layers)
 

@@ -142,22 +142,26 @@ def test_lora_with_a_fully_trained_head():
 
 @pytest.mark.parametrize("method", ["lora", "bitfit", "linear-probe"])
 def test_frozen_weights_are_not_parameters(method):
-    """Frozen weights are not in params, cost no layer record (no probe, sink or norm) and get no gradient."""
+    """Frozen weights are not in params, so the plan has a row for the trainable arrays only, none of them a
+    fallback, and they alone get gradients."""
     setup = peft_setup("vit", method)
     paths = set(ref.paths(setup.params))
     assert paths == set(setup.grads)
-    plan = dz.make_plan(setup.loss_fn, dz.DPConfig(), setup.params, setup.batch)
-    assert {path for r in plan.records for _, path in r.param_paths} == paths
+    report = dz.explain_plan(setup.loss_fn, dz.DPConfig(mode="bk"), setup.params, setup.batch)
+    # LoRA's adapters are dpzero_jax.nn layers (planned from their calls), the ViT's own layers Flax's
+    assert report.front_end == ("layers" if method == "lora" else "program")
+    assert {row["path"] for row in report.rows} == paths
+    assert all(row["rule"] not in ("fallback", "unused") for row in report.rows), report.table()
     if method == "lora":
-        # one record per adapter matrix: the frozen base layer calls are plain computations
-        assert len(plan.records) == 2 * len(LORA_TARGETS["vit"])
-        assert all(r.names == ("kernel",) for r in plan.records)
+        # the adapter matrices only: the frozen base layer calls are plain computations
+        assert len(paths) == 2 * len(LORA_TARGETS["vit"])
+        assert all(p.endswith(("lora_a/kernel", "lora_b/kernel")) for p in paths)
         assert not any("/base/" in p for p in paths)
     if method == "linear-probe":
-        assert paths == {"head/kernel", "head/bias"} and len(plan.records) == 1
+        assert paths == {"head/kernel", "head/bias"}
     if method == "bitfit":
         assert all(p.endswith("/bias") for p in paths)
-        assert {"blocks/0/ln_1/bias", "ln/bias", "patch_embed/proj/bias", "head/bias"} <= paths  # norms included
+        assert {"blocks/0/ln_1/bias", "ln/bias", "patch_embed/bias", "head/bias"} <= paths  # norms included
 
 
 def _logits(model, trainable, inputs):
@@ -248,20 +252,37 @@ def _kept_by_bk(model, trainable, batch, input_key):
     return [tuple(s.shape) for s in jax.eval_shape(kept, params, batch)]
 
 
+def _recorded_by_program(model, trainable, batch, input_key):
+    """Shapes of the operands the traced-program front-end's book-keeping pass records (``[B, 1, ...]``: one
+    example at a time)."""
+    from dpzero_jax.layer_plan import leaf_paths
+    from dpzero_jax.program import mode as program_mode
+
+    params, loss_fn = dz.models.classification_objective(model, input_key, trainable=trainable)
+    plan = program_mode.plan_program(loss_fn, dz.DPConfig(mode="bk", front_end="program"), params, batch,
+                                     leaf_paths(params), B)
+
+    def recorded(params, batch):
+        return program_mode._pass(plan, jax.tree.leaves(params), jax.tree.leaves(batch))[1]
+
+    return [tuple(s.shape) for s in jax.tree.leaves(jax.eval_shape(recorded, params, batch))]
+
+
 @pytest.mark.parametrize("method", ["bitfit", "full"])
 def test_bitfit_keeps_no_activation(method):
     """With only biases trainable no array of the dense layer's input shape ``[B, T, 40]`` is kept (with the kernel
-    trainable it is: the test can see it); same for the ViT's patches ``[B, 4, 48]``."""
+    trainable it is: the test can see it); same for the ViT's images ``[B, 8, 8, 3]`` (its patch convolution's
+    input, recorded by the traced-program front-end: the ViT is built from Flax layers)."""
     model = WideInput(rngs=nnx.Rngs(0))
     batch = {"x": np.zeros((B, 3, 40), np.float32), "label": np.zeros((B,), np.int32)}
     kept = _kept_by_bk(model, dz.peft.apply(model, method)[1], batch, "x")
     vit = base_model("vit")
-    kept_vit = _kept_by_bk(vit, dz.peft.apply(vit, method)[1], batch_of("vit"), "image")
+    recorded_vit = _recorded_by_program(vit, dz.peft.apply(vit, method)[1], batch_of("vit"), "image")
     if method == "bitfit":
         assert (B, 3, 40) not in kept and not any(s[-1:] == (40,) and s[0] == B for s in kept), kept
-        assert (B, 4, 48) not in kept_vit, kept_vit
+        assert (B, 1, 8, 8, 3) not in recorded_vit, recorded_vit
     else:
-        assert (B, 3, 40) in kept and (B, 4, 48) in kept_vit
+        assert (B, 3, 40) in kept and (B, 1, 8, 8, 3) in recorded_vit
 
 
 # ---------------------------------------------------------------------------------------------------------------

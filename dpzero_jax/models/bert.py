@@ -1,4 +1,4 @@
-"""A BERT / RoBERTa encoder with a sequence-classification head, from DP layers (the layout of Hugging Face's
+"""A BERT / RoBERTa encoder with a sequence-classification head, from standard Flax layers (the layout of Hugging Face's
 ``BertForSequenceClassification`` / ``RobertaForSequenceClassification``, to load their checkpoints).
 
 Word + position + token-type embeddings and a LayerNorm; post-LN blocks ``x = LN(x + attn(x))``,
@@ -13,13 +13,13 @@ package (LoRA on ``c_attn`` adapts all three).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpzero_jax import nn
-from dpzero_jax.models.transformer import MLP, Attention
+from dpzero_jax.models.transformer import Block
 
 MODEL_TYPES = ("bert", "roberta")
 
@@ -63,27 +63,12 @@ class BertConfig:
         return self.max_position_embeddings - offset
 
 
-class BertLayer(nnx.Module):
-    """Post-LN block: ``x = ln_1(x + attn(x, mask))``, ``x = ln_2(x + mlp(x))``."""
-
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
-        d = config.hidden_size
-        self.attn = Attention(d, config.num_attention_heads, causal=False, rngs=rngs)
-        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.mlp = MLP(d, config.intermediate_size, approximate_gelu=False, rngs=rngs)
-        self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
-
-    def __call__(self, x: jax.Array, mask: jax.Array | None) -> jax.Array:
-        x = self.ln_1(x + self.attn(x, mask))
-        return self.ln_2(x + self.mlp(x))
-
-
 class RobertaHead(nnx.Module):
     """``out_proj(tanh(dense(h)))`` (RoBERTa's ``classifier``)."""
 
-    def __init__(self, features: int, num_labels: int, *, rngs: nnx.Rngs):
-        self.dense = nn.Linear(features, features, rngs=rngs)
-        self.out_proj = nn.Linear(features, num_labels, rngs=rngs)
+    def __init__(self, features: int, num_labels: int, *, dtype, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(features, features, dtype=dtype, rngs=rngs)
+        self.out_proj = nnx.Linear(features, num_labels, dtype=dtype, rngs=rngs)
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return self.out_proj(jnp.tanh(self.dense(h)))
@@ -101,17 +86,22 @@ class BertEncoder(nnx.Module):
         self.dtype = None if dtype is None else jnp.dtype(dtype).name
         self.hf_config: str | None = None       # the checkpoint's config.json (JSON text), kept for export
         d = config.hidden_size
-        self.word_embeddings = nn.Embed(config.vocab_size, d, rngs=rngs)
-        self.position_embeddings = nn.Embed(config.max_position_embeddings, d, rngs=rngs)
-        self.token_type_embeddings = nn.Embed(config.type_vocab_size, d, rngs=rngs)
-        self.ln_embed = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.layers = nnx.List([BertLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+        embed = functools.partial(nnx.Embed, features=d, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.word_embeddings = embed(config.vocab_size)
+        self.position_embeddings = embed(config.max_position_embeddings)
+        self.token_type_embeddings = embed(config.type_vocab_size)
+        self.ln_embed = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, use_fast_variance=False, dtype=self.dtype,
+                                      rngs=rngs)
+        self.layers = nnx.List([Block(d, config.num_attention_heads, config.intermediate_size, causal=False,
+                                      approximate_gelu=False, eps=config.layer_norm_eps, post_norm=True,
+                                      dtype=self.dtype, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
         if config.model_type == "roberta":
             self.pooler = None
-            self.head = RobertaHead(d, config.num_labels, rngs=rngs)
+            self.head = RobertaHead(d, config.num_labels, dtype=self.dtype, rngs=rngs)
         else:
-            self.pooler = nn.Linear(d, d, rngs=rngs)
-            self.head = nn.Linear(d, config.num_labels, rngs=rngs)
+            self.pooler = nnx.Linear(d, d, dtype=self.dtype, rngs=rngs)
+            self.head = nnx.Linear(d, config.num_labels, dtype=self.dtype, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
                  token_type_ids: jax.Array | None = None) -> jax.Array:

@@ -1,5 +1,6 @@
-"""A BERT-style encoder classifier from DP layers: token + position embeddings, a class token, bidirectional pre-LN
-blocks, classification from the class token. Tokens are ids (``vocab_size``) or feature vectors
+"""A BERT-style encoder classifier from standard Flax layers: token embeddings (``nnx.Embed``), a bare class token and
+position table, bidirectional pre-LN blocks (:mod:`dpzero_jax.models.transformer`), classification from the class
+token. Tokens are ids (``vocab_size``) or feature vectors
 (``token_features``, embedded by a linear layer, e.g. image patches)."""
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from dpzero_jax import nn
-from dpzero_jax.models.transformer import encoder_blocks, prepend_class_token
+from dpzero_jax.models.transformer import class_token_and_positions, encoder_blocks, prepend_class_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +49,14 @@ class Encoder(nnx.Module):
         self.config = config
         d = config.hidden_size
         if config.vocab_size is not None:
-            self.tokens = nn.Embed(config.vocab_size, d, rngs=rngs)
+            self.tokens = nnx.Embed(config.vocab_size, d, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
         else:
-            self.tokens = nn.Linear(config.token_features, d, rngs=rngs)
-        self.cls = nn.Embed(1, d, rngs=rngs)
-        self.position = nn.Embed(config.max_length + 1, d, rngs=rngs)
+            self.tokens = nnx.Linear(config.token_features, d, rngs=rngs)
+        self.cls, self.position = class_token_and_positions(d, config.max_length + 1, rngs=rngs)
         self.blocks = encoder_blocks(d, config.num_heads, config.intermediate_size, config.num_layers,
                                      config.layer_norm_eps, rngs=rngs)
-        self.ln = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.head = nn.Linear(d, config.num_classes, rngs=rngs)
+        self.ln = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, use_fast_variance=False, rngs=rngs)
+        self.head = nnx.Linear(d, config.num_classes, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
@@ -66,7 +65,7 @@ class Encoder(nnx.Module):
                 expected == 3 and tokens.shape[2] != c.token_features):
             shape = "[B, T]" if expected == 2 else f"[B, T, {c.token_features}]"
             raise ValueError(f"tokens must be {shape} with T <= {c.max_length}, got shape {tokens.shape}")
-        x = prepend_class_token(self.tokens(tokens), self.cls, self.position)
+        x = prepend_class_token(self.tokens(tokens), self.cls[...], self.position[...])
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x[:, 0]))

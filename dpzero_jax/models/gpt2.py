@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpzero_jax import nn
-from dpzero_jax.models.transformer import Block
+from dpzero_jax.models.transformer import DP_LAYERS, Block
 from dpzero_jax.spmd import constrain_batch
 
 # GELU variants by their Hugging Face names: the tanh approximation ("gelu_new", GPT-2's) or the exact erf form
@@ -66,7 +66,8 @@ class GPT2(nnx.Module):
         self.wte = nn.Embed(config.vocab_size, d, rngs=rngs)
         self.wpe = nn.Embed(config.n_positions, d, stddev=0.01, rngs=rngs)
         block = functools.partial(Block, d, config.n_head, config.n_inner or 4 * d, causal=True,
-                                  approximate_gelu=GELUS[config.activation_function], eps=config.layer_norm_epsilon)
+                                  approximate_gelu=GELUS[config.activation_function], eps=config.layer_norm_epsilon,
+                                  layers=DP_LAYERS)
         if config.scan_layers:
             self.h = stacked_blocks(block, config.n_layer, rngs)
         else:

@@ -1,6 +1,16 @@
-"""A pre-LayerNorm transformer block built only from DP layers (shared by GPT-2 and ViT)."""
+"""A pre- or post-LayerNorm transformer block (shared by ViT, the encoder classifier, BERT and GPT-2).
+
+The encoders build it from Flax's own layers (:data:`FLAX_LAYERS`: ``nnx.LinearGeneral``, ``nnx.Linear``,
+``nnx.LayerNorm``), as a user writes a model; the engine plans them from the traced program. GPT-2 builds it from
+:mod:`dpzero_jax.nn` (:data:`DP_LAYERS`), planned from the layers' own calls: on this project's CPU overhead
+benchmark (GPT-2, ``experiments/bench_overhead.py``) that front-end's step is the faster of the two
+(``experiments/bench_front_ends.py``).
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -9,68 +19,132 @@ from flax import nnx
 from dpzero_jax import nn
 
 
+def _flax_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, dtype=dtype, rngs=rngs)
+
+
+def _flax_projection(in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype,
+                     rngs: nnx.Rngs) -> nnx.LinearGeneral:
+    return nnx.LinearGeneral(in_shape, out_shape, axis=tuple(range(-len(in_shape), 0)), dtype=dtype, rngs=rngs)
+
+
+def _flax_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # the two-pass variance, as transformers computes it (Flax's default E[x^2] - E[x]^2 differs at 1e-5)
+    return nnx.LayerNorm(features, epsilon=eps, use_fast_variance=False, dtype=dtype, rngs=rngs)
+
+
+def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> nn.Linear:
+    return nn.Linear(in_features, out_features, rngs=rngs)       # computes in its input's dtype
+
+
+def _dp_projection(in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype,
+                   rngs: nnx.Rngs) -> nn.DenseGeneral:
+    return nn.DenseGeneral(in_shape, out_shape, rngs=rngs)
+
+
+def _dp_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nn.LayerNorm:
+    return nn.LayerNorm(features, eps=eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSet:
+    """The layer constructors a block is built from: ``linear(in, out)``, ``projection(in_shape, out_shape)``
+    (contracting the trailing ``len(in_shape)`` axes) and ``norm(features, eps=...)``, each with ``dtype`` (the
+    compute dtype; ``None``: the weights') and ``rngs``."""
+
+    linear: Callable
+    projection: Callable
+    norm: Callable
+
+
+FLAX_LAYERS = LayerSet(_flax_linear, _flax_projection, _flax_norm)
+DP_LAYERS = LayerSet(_dp_linear, _dp_projection, _dp_norm)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, mask: jax.Array | None = None) -> jax.Array:
+    """Softmax attention ``q, k, v [B, T, H, Dh] -> [B, T, H, Dh]``; scores in float32. ``mask``: optional ``[B, T]``
+    keys that may be attended to (padding is ``0`` / ``False``)."""
+    scale = jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / scale
+    if causal:
+        length = q.shape[1]
+        scores = jnp.where(jnp.tril(jnp.ones((length, length), bool)), scores, jnp.finfo(jnp.float32).min)
+    if mask is not None:
+        scores = jnp.where(mask.astype(bool)[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshd->bthd", weights, v)
+
+
 class Attention(nnx.Module):
     """Multi-head self-attention ``[B, T, d] -> [B, T, d]``.
 
-    Fused QKV projection ``[d] -> [3, H, Dh]``, output projection ``[H, Dh] -> [d]``.
+    Fused QKV projection ``c_attn: [d] -> [3, H, Dh]``, output projection ``c_proj: [H, Dh] -> [d]``.
     """
 
-    def __init__(self, features: int, num_heads: int, *, causal: bool, rngs: nnx.Rngs):
+    def __init__(self, features: int, num_heads: int, *, causal: bool, rngs: nnx.Rngs,
+                 layers: LayerSet = FLAX_LAYERS, dtype=None):
         if features % num_heads:
-            raise ValueError(f"n_embd={features} is not divisible by n_head={num_heads}")
+            raise ValueError(f"the width {features} is not divisible by the {num_heads} attention heads")
         self.num_heads, self.head_dim, self.causal = num_heads, features // num_heads, causal
-        self.c_attn = nn.DenseGeneral((features,), (3, num_heads, self.head_dim), rngs=rngs)
-        self.c_proj = nn.DenseGeneral((num_heads, self.head_dim), (features,), rngs=rngs)
+        self.c_attn = layers.projection((features,), (3, num_heads, self.head_dim), dtype=dtype, rngs=rngs)
+        self.c_proj = layers.projection((num_heads, self.head_dim), (features,), dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """``mask``: optional ``[B, T]`` keys that may be attended to (padding is ``0``/``False``)."""
         qkv = self.c_attn(x)                                   # [B, T, 3, H, Dh]
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / jnp.sqrt(self.head_dim).astype(jnp.float32)
-        if self.causal:
-            length = x.shape[1]
-            allowed = jnp.tril(jnp.ones((length, length), bool))
-            scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-        if mask is not None:
-            scores = jnp.where(mask.astype(bool)[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return self.c_proj(jnp.einsum("bhts,bshd->bthd", weights, v))
+        return self.c_proj(attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=self.causal, mask=mask))
 
 
 class MLP(nnx.Module):
-    def __init__(self, features: int, hidden: int, *, approximate_gelu: bool, rngs: nnx.Rngs):
+    """``c_proj(gelu(c_fc(x)))``: ``[B, T, d] -> [B, T, d]`` through ``hidden`` features."""
+
+    def __init__(self, features: int, hidden: int, *, approximate_gelu: bool, rngs: nnx.Rngs,
+                 layers: LayerSet = FLAX_LAYERS, dtype=None):
         self.approximate_gelu = approximate_gelu
-        self.c_fc = nn.Linear(features, hidden, rngs=rngs)
-        self.c_proj = nn.Linear(hidden, features, rngs=rngs)
+        self.c_fc = layers.linear(features, hidden, dtype=dtype, rngs=rngs)
+        self.c_proj = layers.linear(hidden, features, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=self.approximate_gelu))
 
 
 class Block(nnx.Module):
-    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+    """Pre-LN ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``; post-LN (``post_norm``, BERT) ``ln_1(x + attn(x))``
+    then ``ln_2(x + mlp(x))``."""
 
     def __init__(self, features: int, num_heads: int, hidden: int, *, causal: bool, approximate_gelu: bool,
-                 eps: float, rngs: nnx.Rngs):
-        self.ln_1 = nn.LayerNorm(features, eps=eps)
-        self.attn = Attention(features, num_heads, causal=causal, rngs=rngs)
-        self.ln_2 = nn.LayerNorm(features, eps=eps)
-        self.mlp = MLP(features, hidden, approximate_gelu=approximate_gelu, rngs=rngs)
+                 eps: float, rngs: nnx.Rngs, layers: LayerSet = FLAX_LAYERS, dtype=None, post_norm: bool = False):
+        self.post_norm = post_norm
+        self.ln_1 = layers.norm(features, eps=eps, dtype=dtype, rngs=rngs)
+        self.attn = Attention(features, num_heads, causal=causal, layers=layers, dtype=dtype, rngs=rngs)
+        self.ln_2 = layers.norm(features, eps=eps, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(features, hidden, approximate_gelu=approximate_gelu, layers=layers, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln_1(x))
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        if self.post_norm:
+            x = self.ln_1(x + self.attn(x, mask))
+            return self.ln_2(x + self.mlp(x))
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
 def encoder_blocks(d: int, heads: int, intermediate: int, layers: int, eps: float, *, rngs: nnx.Rngs) -> nnx.List:
-    """``layers`` bidirectional pre-LN blocks with exact GELU (ViT and the small encoder classifier)."""
+    """``layers`` bidirectional pre-LN blocks of Flax layers with exact GELU (ViT and the encoder classifier)."""
     return nnx.List([Block(d, heads, intermediate, causal=False, approximate_gelu=False, eps=eps, rngs=rngs)
                      for _ in range(layers)])
 
 
-def prepend_class_token(x: jax.Array, class_embed: nn.Embed, position_embed: nn.Embed) -> jax.Array:
-    """``x [B, T, d] -> [B, T + 1, d]``: the class token (``class_embed`` row 0) first, then the learned positions
-    ``0 .. T`` added."""
-    batch, length = x.shape[:2]
-    x = jnp.concatenate([class_embed(jnp.zeros((batch, 1), jnp.int32)), x], axis=1)
-    return x + position_embed(jnp.broadcast_to(jnp.arange(length + 1), (batch, length + 1)))
+def class_token_and_positions(features: int, positions: int, *, rngs: nnx.Rngs) -> tuple[nnx.Param, nnx.Param]:
+    """A learned class token ``[1, 1, features]`` and position table ``[1, positions, features]`` (bare parameters,
+    as Hugging Face's ViT keeps them), drawn from ``N(0, 0.02^2)``."""
+    init = nnx.initializers.normal(0.02)
+    return (nnx.Param(init(rngs.params(), (1, 1, features), jnp.float32)),
+            nnx.Param(init(rngs.params(), (1, positions, features), jnp.float32)))
+
+
+def prepend_class_token(x: jax.Array, class_token: jax.Array, positions: jax.Array) -> jax.Array:
+    """``x [B, T, d] -> [B, T + 1, d]``: the class token ``[1, 1, d]`` first, then the first ``T + 1`` rows of the
+    position table ``[1, P, d]`` added."""
+    batch, length, features = x.shape
+    token = jnp.broadcast_to(class_token.astype(x.dtype), (batch, 1, features))
+    return jnp.concatenate([token, x], axis=1) + positions[:, :length + 1].astype(x.dtype)

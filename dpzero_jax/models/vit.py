@@ -1,4 +1,5 @@
-"""A ViT classifier from DP layers: linear patch embedding, class token and positions as embeddings, pre-LN blocks."""
+"""A ViT classifier from standard Flax layers: a patch convolution, a bare class token and position table, pre-LN
+blocks (:mod:`dpzero_jax.models.transformer`), as Hugging Face's ``ViTForImageClassification`` lays them out."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from dpzero_jax import nn
-from dpzero_jax.models.transformer import encoder_blocks, prepend_class_token
+from dpzero_jax.models.transformer import class_token_and_positions, encoder_blocks, prepend_class_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,20 +46,22 @@ class ViT(nnx.Module):
         self.config = config
         self.hf_config: str | None = None       # the checkpoint's config.json (JSON text), kept for export
         d = config.hidden_size
-        self.patch_embed = nn.PatchEmbed(config.patch_size, config.num_channels, d, rngs=rngs)
-        self.cls_token = nn.Embed(1, d, rngs=rngs)
-        self.position = nn.Embed(config.num_patches + 1, d, rngs=rngs)
+        p = config.patch_size
+        self.patch_embed = nnx.Conv(config.num_channels, d, (p, p), strides=(p, p), padding="VALID", rngs=rngs)
+        self.cls_token, self.position = class_token_and_positions(d, config.num_patches + 1, rngs=rngs)
         self.blocks = encoder_blocks(d, config.num_attention_heads, config.intermediate_size,
                                      config.num_hidden_layers, config.layer_norm_eps, rngs=rngs)
-        self.ln = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.head = nn.Linear(d, config.num_classes, rngs=rngs)
+        self.ln = nnx.LayerNorm(d, epsilon=config.layer_norm_eps, use_fast_variance=False, rngs=rngs)
+        self.head = nnx.Linear(d, config.num_classes, rngs=rngs)
 
     def __call__(self, images: jax.Array) -> jax.Array:
         c = self.config
         if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.num_channels):
             raise ValueError(f"images must be [B, {c.image_size}, {c.image_size}, {c.num_channels}], "
                              f"got {images.shape}")
-        x = prepend_class_token(self.patch_embed(images), self.cls_token, self.position)   # [B, N + 1, d]
+        patches = self.patch_embed(images)                                   # [B, H / P, W / P, d]
+        patches = patches.reshape(patches.shape[0], -1, patches.shape[-1])   # [B, N, d]
+        x = prepend_class_token(patches, self.cls_token[...], self.position[...])   # [B, N + 1, d]
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x[:, 0]))

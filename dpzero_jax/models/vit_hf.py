@@ -1,8 +1,8 @@
 """Hugging Face ViT checkpoints (``ViTForImageClassification``, ``ViTModel``) <-> :class:`~dpzero_jax.models.ViT`.
 
 ``nn.Linear`` weights are transposed, ``query`` / ``key`` / ``value`` stacked into one ``c_attn``; the patch
-convolution ``[d, C, P, P]`` becomes the linear map on flattened ``(row, column, channel)`` patches, ``[P * P * C,
-d]``. A missing classifier, or one with another number of labels, is initialised afresh.
+convolution ``[d, C, P, P]`` becomes Flax's ``[P, P, C, d]``. A missing classifier, or one with another number of
+labels, is initialised afresh.
 """
 
 from __future__ import annotations
@@ -38,15 +38,12 @@ def config_from_hf(c: dict, model_type: str = "vit", scan_layers: bool | None = 
 
 def entries(c: ViTConfig, prefix: str = "vit.") -> list[Entry]:
     """The :class:`~dpzero_jax.models.hf_mapping.Entry` table of a model with config ``c``."""
-    d, heads, p, ps, ch = c.hidden_size, c.num_attention_heads, prefix, c.patch_size, c.num_channels
-    out = [Entry("patch_embed/proj/kernel", (f"{p}embeddings.patch_embeddings.projection.weight",),
-                 lambda w: w.transpose(2, 3, 1, 0).reshape(ps * ps * ch, d),
-                 lambda k: (np.ascontiguousarray(k.reshape(ps, ps, ch, d).transpose(3, 2, 0, 1)),)),
-           same("patch_embed/proj/bias", f"{p}embeddings.patch_embeddings.projection.bias"),
-           Entry("cls_token/embedding", (f"{p}embeddings.cls_token",), lambda a: a.reshape(1, d),
-                 lambda e: (e.reshape(1, 1, d),)),
-           Entry("position/embedding", (f"{p}embeddings.position_embeddings",),
-                 lambda a: a.reshape(c.num_patches + 1, d), lambda e: (e.reshape(1, c.num_patches + 1, d),))]
+    d, heads, p = c.hidden_size, c.num_attention_heads, prefix
+    out = [Entry("patch_embed/kernel", (f"{p}embeddings.patch_embeddings.projection.weight",),
+                 lambda w: w.transpose(2, 3, 1, 0), lambda k: (np.ascontiguousarray(k.transpose(3, 2, 0, 1)),)),
+           same("patch_embed/bias", f"{p}embeddings.patch_embeddings.projection.bias"),
+           same("cls_token", f"{p}embeddings.cls_token"),
+           same("position", f"{p}embeddings.position_embeddings")]
     for i in range(c.num_hidden_layers):
         h, o = f"{p}encoder.layer.{i}", f"blocks/{i}"
         out += layer_norm(f"{o}/ln_1", f"{h}.layernorm_before")
