@@ -36,3 +36,16 @@ def test_bench_front_ends_quick_writes_its_table(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"non-DP", "layers bk", "layers ghost", "program bk", "program ghost"}
     assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
+
+
+@pytest.mark.slow
+def test_bench_front_ends_quick_vit_writes_its_table(tmp_path):
+    import bench_front_ends
+
+    out = tmp_path / "front_ends_vit.json"
+    bench_front_ends.main(["--model", "vit", "--quick", "--rounds", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {f"{layers} {mode}" for layers in ("flax", "dz.nn")
+                         for mode in ("non-DP", "auto", "bk", "ghost", "vmap")}
+    assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
+    assert rows["flax bk"]["baseline"] == "flax non-DP" and rows["dz.nn bk"]["baseline"] == "dz.nn non-DP"
