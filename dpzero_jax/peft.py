@@ -1,4 +1,5 @@
-"""Parameter-efficient fine-tuning (PEFT): LoRA, BiTFiT and linear probing of models built from DP layers.
+"""Parameter-efficient fine-tuning (PEFT): LoRA, BiTFiT and linear probing of models built from DP layers or from
+Flax's own (``nnx.Linear`` / ``nnx.LinearGeneral`` targets).
 
 :func:`apply` turns a model into ``(model, trainable)``: the model to train (for LoRA a copy with adapters inserted;
 the input model is never modified) and the NNX filter of its trainable parameters, which the objectives take::
@@ -20,7 +21,7 @@ Methods:
   and ``B`` train; the base kernel and bias are frozen.
 * ``"bitfit"``: every parameter named ``bias`` trains -- dense layers and LayerNorms alike (BiTFiT trains the biases
   of all layers) -- nothing else. A bias's per-example gradient is ``sum_t g_t``: book-keeping keeps the output
-  gradient and no layer input for these calls.
+  gradient and no layer input for these calls (on either front end).
 * ``"linear-probe"``: the parameters of the classification head (``head``, default ``head`` or ``lm_head``) train,
   nothing else. A tied LM head (the embedding table) cannot be probed alone.
 * ``"full"``: every ``nnx.Param`` trains (the model is returned unchanged).

@@ -421,11 +421,12 @@ def test_no_per_example_weight_gradient_for_the_sum():
 def test_compiled_memory_of_a_remat_decoder():
     """Temporaries of the compiled step, 4 remat blocks, d 128, T 128, B 16, printed (``-m slow -s``). On XLA:CPU
     (measured here: unrolled non-DP 77.1, bk 90.1, ghost 96.0, fused 104.4 MiB; scanned non-DP 26.6, bk 106.1,
-    ghost 35.3 MiB) fused holds no records but a finite copy of the operands its weight path keeps; scanned, it is
-    refused (the stacked weights' groups span the iterations)."""
+    ghost 35.3, fused 107.1 MiB) fused holds no records but a finite copy of the operands its weight path keeps;
+    scanned, the stacked weights' param-wise groups span the iterations, so fused book-keeps them in its pass (about
+    bk's memory), while ghost takes its norms from the rematerialised backward (a third of bk's)."""
     unrolled, scanned = compiled_temp_bytes(False), compiled_temp_bytes(True)
     for name, table in (("unrolled", unrolled), ("scanned", scanned)):
         print(name, {k: f"{v / 2**20:.1f} MiB" if isinstance(v, int) else v for k, v in table.items()})
-    assert all(isinstance(v, int) for v in unrolled.values())
-    assert isinstance(scanned["fused"], str) and "inside a scan" in scanned["fused"]
-    assert all(isinstance(scanned[k], int) for k in ("non-DP", "bk", "ghost"))
+    assert all(isinstance(v, int) for v in unrolled.values()), unrolled
+    assert all(isinstance(v, int) for v in scanned.values()), scanned
+    assert scanned["ghost"] < 0.5 * scanned["bk"] and scanned["fused"] < 1.2 * scanned["bk"], scanned
