@@ -333,6 +333,23 @@ def test_bad_models():
         dz.peft.apply(nnx.eval_shape(lambda: NoBias(rngs=nnx.Rngs(0))), "bitfit")
 
 
+class LeadingAxisProjection(nnx.Module):
+    """An ``nnx.LinearGeneral`` that contracts its input's first feature axis (``[B, 3, 4]`` over the 3)."""
+
+    def __init__(self, *, rngs):
+        self.proj = nnx.LinearGeneral(3, 5, axis=-2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.proj(x)
+
+
+def test_lora_refuses_a_projection_it_would_not_reproduce():
+    """LoRA's adapters contract the trailing axes: a ``LinearGeneral`` over another axis is refused by name."""
+    model = nnx.eval_shape(lambda: LeadingAxisProjection(rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"nnx.LinearGeneral contracting axes \(-2,\)"):
+        dz.peft.apply(model, "lora", rank=2, alpha=4.0, key=jax.random.key(0))
+
+
 class WideThenWide(nnx.Module):
     """``exp(x) [B, T, 256] -> 8 -> 256 (tanh) -> 4``: the backward's peak holds two ``[B, T, 256]`` arrays; a kept
     input of the first layer would be a third."""
