@@ -10,8 +10,9 @@ Default workload: W3 of ``bench_overhead.py`` (vocab 8192, untied head, 4 layers
 
 ``--model vit``: the bundled ViT (standard Flax layers: ``nnx.Conv`` patches, ``nnx.LinearGeneral`` /
 ``nnx.Linear`` / ``nnx.LayerNorm``, a bare class token and position table; the program front-end) against the same
-ViT written here from ``dz.nn`` layers (:class:`DPLayerViT`: the layers front-end), each against its own non-DP
-step (ViT-S-like: 32 x 32 images, patches 4, width 128, 4 layers, B 32).
+ViT written here from ``dz.nn`` layers (:class:`DPLayerViT`: the layers front-end; and, as ``dz.nn program bk``,
+planned from its traced program), each against its own non-DP step (ViT-S-like: 32 x 32 images, patches 4, width
+128, 4 layers, B 32).
 
 Run::
 
@@ -126,6 +127,10 @@ def _vit_candidates(quick: bool, tpu_chips: int = 0):
             cfg = dz.DPConfig(noise_multiplier=1.0, mode=mode, expected_batch_size=batch_size)
             candidates[f"{label} {mode}"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)), (params, batch, key),
                                              base)
+        if label == "dz.nn":   # the same layers planned from the traced program: the front end's own share
+            cfg = dz.DPConfig(noise_multiplier=1.0, mode="bk", front_end="program", expected_batch_size=batch_size)
+            candidates["dz.nn program bk"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)), (params, batch, key),
+                                              base)
     title = (f"ViT {config.image_size}x{config.image_size}, patches {config.patch_size}, width {config.hidden_size}, "
              f"{config.num_hidden_layers} layers, B {batch_size}{f' on {tpu_chips} TPU chips' if tpu_chips else ''}: "
              "Flax layers (program front-end) and dz.nn layers "
@@ -199,7 +204,7 @@ def main(argv=None):
             start = time.perf_counter()
             jax.block_until_ready(compiled[name](*candidates[name][1]))
             times[name].append(time.perf_counter() - start)
-    print(f"{'candidate':<14} {'compile s':>9} {'x FLOPs':>8} {'x bytes':>8} {'x temp':>7} {'step ms':>9} "
+    print(f"{'candidate':<16} {'compile s':>9} {'x FLOPs':>8} {'x bytes':>8} {'x temp':>7} {'step ms':>9} "
           f"{'x step':>7}")
     for name, row in rows.items():
         base_name = candidates[name][2]
@@ -212,7 +217,7 @@ def main(argv=None):
             row["step_ratio"] = statistics.median(t / b for t, b in zip(times[name], times[base_name]))
         step_ms, step_ratio = (float("nan"), float("nan")) if mesh is not None else (1e3 * row["step_s"],
                                                                                        row["step_ratio"])
-        print(f"{name:<14} {row['compile_s']:>9.1f} {row['flops'] / base['flops']:>8.3f} "
+        print(f"{name:<16} {row['compile_s']:>9.1f} {row['flops'] / base['flops']:>8.3f} "
               f"{row['bytes'] / base['bytes']:>8.3f} {row['temp_bytes'] / base['temp_bytes']:>7.3f} "
               f"{step_ms:>9.1f} {step_ratio:>7.3f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

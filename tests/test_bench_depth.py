@@ -46,6 +46,6 @@ def test_bench_front_ends_quick_vit_writes_its_table(tmp_path):
     bench_front_ends.main(["--model", "vit", "--quick", "--rounds", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {f"{layers} {mode}" for layers in ("flax", "dz.nn")
-                         for mode in ("non-DP", "auto", "bk", "ghost", "vmap")}
+                         for mode in ("non-DP", "auto", "bk", "ghost", "vmap")} | {"dz.nn program bk"}
     assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
     assert rows["flax bk"]["baseline"] == "flax non-DP" and rows["dz.nn bk"]["baseline"] == "dz.nn non-DP"
