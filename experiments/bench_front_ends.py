@@ -195,10 +195,9 @@ def main(argv=None):
                       "temp_bytes": int(compiled[name].memory_analysis().temp_size_in_bytes)}
         if mesh is None:
             jax.block_until_ready(compiled[name](*fn_args))
-    times = {name: [1.0] for name in candidates}
-    for r in range(0 if mesh is not None else args.rounds):
-        if r == 0:
-            times = {name: [] for name in candidates}
+    rounds = 0 if mesh is not None else args.rounds   # compiled for TPU: not run
+    times = {name: [] for name in candidates}
+    for r in range(rounds):
         names = list(candidates)[r % len(candidates):] + list(candidates)[:r % len(candidates)]
         for name in names:
             start = time.perf_counter()
@@ -210,13 +209,10 @@ def main(argv=None):
         base_name = candidates[name][2]
         base = rows[base_name]
         row["baseline"] = base_name
-        if mesh is not None:   # compiled, not run
-            row["step_s"] = row["step_ratio"] = None
-        else:
-            row["step_s"] = statistics.median(times[name])
-            row["step_ratio"] = statistics.median(t / b for t, b in zip(times[name], times[base_name]))
-        step_ms, step_ratio = (float("nan"), float("nan")) if mesh is not None else (1e3 * row["step_s"],
-                                                                                       row["step_ratio"])
+        row["step_s"] = statistics.median(times[name]) if rounds else None
+        row["step_ratio"] = (statistics.median(t / b for t, b in zip(times[name], times[base_name])) if rounds
+                             else None)
+        step_ms, step_ratio = (1e3 * row["step_s"], row["step_ratio"]) if rounds else (float("nan"), float("nan"))
         print(f"{name:<16} {row['compile_s']:>9.1f} {row['flops'] / base['flops']:>8.3f} "
               f"{row['bytes'] / base['bytes']:>8.3f} {row['temp_bytes'] / base['temp_bytes']:>7.3f} "
               f"{step_ms:>9.1f} {step_ratio:>7.3f}")

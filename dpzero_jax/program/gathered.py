@@ -46,7 +46,7 @@ def gathered_apply(apply_fn, params, inputs, layout):
     with each sharded leaf gathered at its uses (:mod:`dpzero_jax.program.zero3`), scans and calls entered (a leaf
     stacked over a scan gathered one iteration at a time)."""
     paths = leaf_paths(params)
-    leaves, treedef = jax.tree.flatten(params)
+    leaves = jax.tree.leaves(params)
     input_leaves, input_treedef = jax.tree.flatten(inputs)
     whole = whole_shapes(params, layout)
 
