@@ -233,6 +233,19 @@ def _zero_where_inactive(x: Array, active: Array) -> Array:
     return jnp.where(active.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
+SMALL_DIRECT = 1 << 16   # elements per example up to which a direct clipped sum is a multiply-and-reduce
+
+
+def _coef_weighted_rows(value: Array, coef: Array) -> Array:
+    """``sum_i coef_i value_i``. Small leaves (biases, norm scales): a multiply and reduce -- XLA:CPU compiles each
+    ``[B]``-vector contraction as its own elemental loop kernel (about 11 ms of compile time, one per leaf). Large
+    ones: the contraction, which keeps the per-example gradients a materialised operand (as a reduce's input XLA
+    would fuse the dots that produce them into the reduction's loop)."""
+    if math.prod(value.shape[1:]) <= SMALL_DIRECT:
+        return jnp.sum(value * coef.reshape((-1,) + (1,) * (value.ndim - 1)), axis=0)
+    return jnp.einsum("b...,b->...", value, coef)
+
+
 def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla") -> Array:
     """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, float32.
 
@@ -245,10 +258,8 @@ def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla
     total = None
     for u in uses:
         if isinstance(u, Direct):
-            # multiply and reduce, not a [B]-vector contraction: XLA:CPU emits a matrix-vector dot as an elemental
-            # loop kernel (about 11 ms of compile time each, one per instantiated leaf, and slower to run)
             value = _zero_where_inactive(_f32(u.value), active)
-            part = jnp.sum(value * coef.reshape((-1,) + (1,) * (value.ndim - 1)), axis=0)
+            part = _coef_weighted_rows(value, coef)
         else:
             right = _zero_where_inactive(_f32(u.right), active) * coef[:, None, None]
             if u.left_is_ids:
