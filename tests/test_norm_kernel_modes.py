@@ -115,3 +115,17 @@ def test_kernel_backed_norms_inside_shard_map(mode):
     expected = np.sqrt(sum(np.sum(g.reshape(16, -1) ** 2, axis=1) for g in grads.values()))
     np.testing.assert_allclose(norms, expected, rtol=1e-5)
     assert norms.shape == (16,)
+
+
+@pytest.mark.parametrize("size", [pergrad.SMALL_DIRECT, pergrad.SMALL_DIRECT + 1])
+def test_direct_clipped_sum_on_both_sides_of_the_small_leaf_rule(size):
+    """Instantiated per-example gradients: a multiply-and-reduce up to ``SMALL_DIRECT`` elements per example, the
+    contraction above it; the same sum either way, an inactive example's NaN row contributing nothing."""
+    rng = np.random.default_rng(1)
+    value = rng.standard_normal((4, size)).astype(np.float32).reshape(4, 1, size)
+    value[1] = np.nan
+    coef = np.asarray([0.5, 0.0, -2.0, 1.5], np.float32)
+    got = pergrad.weighted_sum([pergrad.Direct(jnp.asarray(value))], jnp.asarray(coef))
+    want = np.tensordot(coef[[0, 2, 3]].astype(np.float64), value[[0, 2, 3]].astype(np.float64), axes=1)
+    assert got.shape == (1, size)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
