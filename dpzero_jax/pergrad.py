@@ -228,9 +228,14 @@ def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed", kernel: str =
     return result
 
 
+def _per_example(vector: Array, ndim: int) -> Array:
+    """``vector [B]`` shaped to broadcast against an ``ndim``-dimensional array with examples first."""
+    return vector.reshape((-1,) + (1,) * (ndim - 1))
+
+
 def _zero_where_inactive(x: Array, active: Array) -> Array:
     """Zero the rows of examples with a zero coefficient (never multiply NaN by zero)."""
-    return jnp.where(active.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+    return jnp.where(_per_example(active, x.ndim), x, jnp.zeros((), x.dtype))
 
 
 SMALL_DIRECT = 4096   # elements per example up to which a direct clipped sum is a multiply-and-reduce
@@ -243,7 +248,7 @@ def _coef_weighted_rows(value: Array, coef: Array) -> Array:
     ``[4, 49152]``), and its operand stays materialised (as a reduction's input, XLA may fuse the dots that produce
     the per-example gradients into the reduction's loop: 74 s a step for ``vmap`` on W1)."""
     if math.prod(value.shape[1:]) <= SMALL_DIRECT:
-        return jnp.sum(value * coef.reshape((-1,) + (1,) * (value.ndim - 1)), axis=0)
+        return jnp.sum(value * _per_example(coef, value.ndim), axis=0)
     return jnp.einsum("b...,b->...", value, coef)
 
 

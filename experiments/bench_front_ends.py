@@ -168,8 +168,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.tpu and args.model != "vit":
         parser.error("--tpu compiles the ViT comparison only (--model vit)")
-    suffix = f"vit_tpu_{args.tpu.replace(':', '_')}" if args.tpu else "vit_cpu"
     if args.model == "vit" and args.out == DEFAULT_OUT:
+        suffix = f"vit_tpu_{args.tpu.replace(':', '_')}" if args.tpu else "vit_cpu"
         args.out = DEFAULT_OUT.replace("front_ends_cpu", f"front_ends_{suffix}")
     mesh = None
     if args.tpu:
