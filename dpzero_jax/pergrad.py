@@ -112,10 +112,18 @@ def direct_sq_norm(value: Array) -> Array:
     return jnp.sum(jnp.square(_f32(value)).reshape(value.shape[0], -1), axis=1)
 
 
-def instantiate(use: PerExampleGrad, dtype=jnp.float32) -> Array:
+def param_shape(use: PerExampleGrad) -> tuple[int, ...]:
+    """The shape of the parameter whose per-example gradient ``use`` describes."""
+    return tuple(use.value.shape[1:]) if isinstance(use, Direct) else tuple(use.shape)
+
+
+def instantiate(use: PerExampleGrad, dtype=jnp.float32, matrix: bool = False) -> Array:
     """The per-example gradient ``[B, *shape]`` in ``dtype`` (float32 by default; used by the instantiation branch
     and by tests). A dense use's contraction accumulates in float32 and writes ``dtype``; an embedding's rows are
-    added in ``dtype``."""
+    added in ``dtype``. ``matrix=True``: an :class:`Outer` use's gradient as ``[B, rows, cols]``, the contraction's
+    own shape. A gradient kept for the clipped sum stays in that shape: reshaped to a parameter shape with short
+    trailing dimensions (GPT-2's QKV kernel ``[d, 3, heads, head_dim]``), the TPU compiler lays it out anew, one
+    more write and read of every per-example gradient."""
     if isinstance(use, Direct):
         return _f32(use.value).astype(dtype)
     batch = use.right.shape[0]
@@ -125,7 +133,7 @@ def instantiate(use: PerExampleGrad, dtype=jnp.float32) -> Array:
         full = rows.at[example, use.left].add(_f32(use.right).astype(dtype))
     else:
         full = jnp.einsum("btr,btc->brc", use.left, use.right, preferred_element_type=jnp.float32).astype(dtype)
-    return full.reshape((batch,) + tuple(use.shape))
+    return full if matrix else full.reshape((batch,) + tuple(use.shape))
 
 
 def space_rule(method: str, positions: int, size: int) -> bool:

@@ -58,14 +58,16 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask,
         # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
         # reused for the clipped sum (no second contraction).
         # (in cfg.instantiated_dtype: the norm is taken after rounding, so what is summed is what is clipped)
-        instantiated = {path: pergrad.kept(sum(pergrad.instantiate(v, cfg.instantiated_dtype) for v in u))
+        instantiated = {path: pergrad.kept(sum(pergrad.instantiate(v, cfg.instantiated_dtype, matrix=True)
+                                               for v in u))
                         for path, u in uses.items() if not pergrad.use_ghost(u, cfg.norm_method)}
         sq = {path: (pergrad.direct_sq_norm(instantiated[path]) if path in instantiated
                      else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
-    grads = {path: pergrad.weighted_sum([pergrad.Direct(instantiated[path])] if path in instantiated else u,
-                                        coef[:, plan.group_of[path]], kernel) for path, u in uses.items()}
+    grads = {path: (pergrad.weighted_sum([pergrad.Direct(instantiated[path])], coef[:, plan.group_of[path]])
+                    .reshape(pergrad.param_shape(u[0])) if path in instantiated
+                    else pergrad.weighted_sum(u, coef[:, plan.group_of[path]], kernel)) for path, u in uses.items()}
     return losses, _scatter(layout, grads), norms, coef
 
 
