@@ -136,6 +136,14 @@ def instantiate(use: PerExampleGrad, dtype=jnp.float32, matrix: bool = False) ->
     return full if matrix else full.reshape((batch,) + tuple(use.shape))
 
 
+def instantiate_sum(uses: Sequence[PerExampleGrad], dtype=jnp.float32) -> Array:
+    """``sum_u G_u``, instantiated: ``[B, rows, cols]`` when every use factors the parameter the same way (see
+    :func:`instantiate`'s ``matrix``), else ``[B, *shape]``. Reshape what is reduced from it with
+    :func:`param_shape`."""
+    matrix = all(isinstance(u, Outer) for u in uses) and len({(u.rows, u.cols) for u in uses}) == 1
+    return sum(instantiate(u, dtype, matrix) for u in uses)
+
+
 def space_rule(method: str, positions: int, size: int) -> bool:
     """Ghost (``True``) or instantiation for ``positions`` positions of a parameter of ``size`` elements when only
     the method and the shapes are known: ``"ghost"`` / ``"instantiate"`` as asked, otherwise paper 000's space rule,
@@ -225,7 +233,7 @@ def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed", kernel: str =
     if kernel == "pallas" and kinds == {Outer} and (ghost or not any(u.left_is_ids for u in uses)):
         return _pallas_sq_norm(uses, ghost)
     if not ghost:
-        total = sum(instantiate(u) for u in uses)
+        total = instantiate_sum(uses)
         return jnp.sum(jnp.square(total).reshape(total.shape[0], -1), axis=1)
     result = 0.0
     for i, u in enumerate(uses):

@@ -58,8 +58,7 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask,
         # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
         # reused for the clipped sum (no second contraction).
         # (in cfg.instantiated_dtype: the norm is taken after rounding, so what is summed is what is clipped)
-        instantiated = {path: pergrad.kept(sum(pergrad.instantiate(v, cfg.instantiated_dtype, matrix=True)
-                                               for v in u))
+        instantiated = {path: pergrad.kept(pergrad.instantiate_sum(u, cfg.instantiated_dtype))
                         for path, u in uses.items() if not pergrad.use_ghost(u, cfg.norm_method)}
         sq = {path: (pergrad.direct_sq_norm(instantiated[path]) if path in instantiated
                      else pergrad.sq_norm(u, "ghost")) for path, u in uses.items()}
