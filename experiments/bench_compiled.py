@@ -255,10 +255,14 @@ class Shape:
     tied: bool = True
     vocab: int = 50304
     lora_rank: int = 0         # > 0: LoRA adapters on every dense layer (peft.apply), only they are trained
+    family: str = "gpt2"       # "gpt2": the bundled GPT2 (dz.nn layers); "llama": models.Llama (Flax layers, scanned)
+    kv_heads: int = 0          # llama: key/value heads (grouped-query attention)
+    mlp: int = 0               # llama: the SwiGLU MLP's width
 
     def key(self) -> str:
-        return (f"L{self.n_layer}-d{self.d}-V{self.vocab}-T{self.T}-B{self.B}-{'tied' if self.tied else 'untied'}"
-                + (f"-lora{self.lora_rank}" if self.lora_rank else ""))
+        prefix = "" if self.family == "gpt2" else f"{self.family}-kv{self.kv_heads}-mlp{self.mlp}-"
+        return (prefix + f"L{self.n_layer}-d{self.d}-V{self.vocab}-T{self.T}-B{self.B}-"
+                f"{'tied' if self.tied else 'untied'}" + (f"-lora{self.lora_rank}" if self.lora_rank else ""))
 
 
 def small(T=1024, B=8, tied=True, n_layer=12, lora_rank=0, name=None):
@@ -271,11 +275,19 @@ def medium(T=1024, B=8, tied=True):
     return Shape(f"gpt2-medium T{T} B{B}{'' if tied else ' untied'}", 24, 1024, 16, T, B, tied)
 
 
+def llama(T=1024, B=8):
+    """A Llama-style decoder at GPT-2 small's width: 12 layers, d 768, 12 heads with 4 key/value heads, SwiGLU MLP
+    2048, RMSNorm, rotary positions, untied head, vocabulary 32000; layers stacked and scanned (`models.Llama`, the
+    traced-program front end)."""
+    return Shape(f"llama-style T{T} B{B}", 12, 768, 12, T, B, tied=False, vocab=32000, family="llama", kv_heads=4,
+                 mlp=2048)
+
+
 SMOKE_SHAPES = [Shape("smoke L1 d64 V512 T32 B2", 1, 64, 2, 32, 2, True, vocab=512)]
 # default grid, in the issue's priority order; --full adds FULL_EXTRA and the largest-batch search
 DEFAULT_SHAPES = [small(1024, 8), small(1024, 8, n_layer=2), small(1024, 8, tied=False, n_layer=2), small(128, 32)]
 FULL_EXTRA = [small(1024, 8, tied=False), small(128, 32, n_layer=2), small(512, 8), small(2048, 4),
-              small(1024, 8, lora_rank=8), medium(1024, 8), medium(1024, 4)]
+              small(1024, 8, lora_rank=8), medium(1024, 8), medium(1024, 4), llama(1024, 8)]
 
 DP_CANDIDATES = {   # every DP candidate is configured with target="tpu" (the step is compiled for the TPU slice)
     "auto": dict(mode="auto"),
@@ -301,8 +313,10 @@ SHMAP_CANDIDATES = {
 PEERS = ("jax_privacy", "optax")
 # a cached point older than its candidate's version is compiled again (2: shard_map with check_vma=False)
 # 3 (bk_shmap, bk_pallas) / 2 (others): configured with target="tpu", so norm_method="auto" resolves to "fastest"
-VERSIONS = {"bk_shmap": 3, "bk_pallas": 3, "auto": 2, "bk": 2, "bk_fastest": 2, "ghost": 2, "fused": 2,
-            "program_bk": 2, "program_ghost": 2}
+# +1 for the book-keeping candidates that instantiate: per-example gradients kept as [B, rows, cols] (the TPU
+# compiler no longer copies them into the parameter's layout)
+VERSIONS = {"bk_shmap": 4, "bk_pallas": 3, "auto": 3, "bk": 3, "bk_fastest": 3, "bk_mixed": 2, "auto_bf16": 2,
+            "ghost": 2, "fused": 2, "program_bk": 2, "program_ghost": 2}
 # compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
 CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_mixed", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap",
               "fused", "program_bk", "program_ghost", "auto_bf16")
@@ -335,12 +349,24 @@ def _target_tpu_kernels():
 
 
 def build(shape: Shape):
-    """``(graphdef, abstract params, abstract rest, trainable filter)`` of the shape's GPT-2 (no weights made)."""
+    """``(graphdef, abstract params, abstract rest, trainable filter)`` of the shape's model (no weights made)."""
     import jax
     from flax import nnx
 
     from dpzero_jax import peft
     from dpzero_jax.models.gpt2 import GPT2, GPT2Config
+    from dpzero_jax.models.llama import Llama, LlamaConfig
+
+    if shape.family == "llama":
+        if shape.lora_rank:
+            raise ValueError(f"{shape.name}: LoRA shapes are GPT-2 only here")
+        llama_config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d, intermediate_size=shape.mlp,
+                                   num_hidden_layers=shape.n_layer, num_attention_heads=shape.heads,
+                                   num_key_value_heads=shape.kv_heads, max_position_embeddings=max(2048, shape.T),
+                                   tie_word_embeddings=shape.tied)
+        graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0))),
+                                           nnx.Param, ...)
+        return graphdef, params, rest, nnx.Param
 
     config = GPT2Config(vocab_size=shape.vocab, n_positions=max(1024, shape.T), n_embd=shape.d,
                         n_layer=shape.n_layer, n_head=shape.heads, tie_word_embeddings=shape.tied)
@@ -517,6 +543,9 @@ def resolved_auto(shape: Shape) -> dict:
 
     def trace(params, rest, batch):
         _, loss_fn = lm_objective(nnx.merge(graphdef, params, rest), trainable=trainable)
+        if shape.family != "gpt2":   # Flax layers: the traced-program front end, whose auto does not use a budget
+            found["host"] = found["v5e_chip"] = dz.explain_plan(loss_fn, cfg, params, batch).mode
+            return 0
         plan = dz.make_plan(loss_fn, cfg, params, batch)
         found["host"] = dz.choose_mode(cfg, plan).mode
         found["v5e_chip"] = dz.choose_mode(cfg, plan, backend="tpu").mode

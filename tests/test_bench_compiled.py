@@ -136,3 +136,23 @@ def test_buffer_dump_reader(tmp_path):
                                                 "default_space_bytes": 16862090752}
     with pytest.raises(RuntimeError, match="no buffer assignment"):
         buffers.read_dump(str(tmp_path / "missing"))
+
+
+def test_llama_style_shape_builds_and_runs_on_the_program_front_end():
+    """The table's Llama-style shape (Flax layers, scanned): built abstractly, ``auto`` resolves on the traced-program
+    front end, and a reduced copy's non-private and private steps trace with one gradient per parameter and the
+    same tree as the non-private one."""
+    import dataclasses
+
+    shape = bench.llama(1024, 8)
+    assert shape.key().startswith("llama-kv4-mlp2048-L12-d768-V32000-T1024-B8") and shape in bench.FULL_EXTRA
+    tiny = dataclasses.replace(shape, n_layer=2, d=64, heads=4, kv_heads=2, mlp=128, vocab=256, T=16, B=2)
+    assert bench.resolved_auto(tiny) == {"host": "bk", "v5e_chip": "bk"}
+    graphdef, params, rest, trainable = bench.build(tiny)
+    batch = {"input_ids": jax.ShapeDtypeStruct((tiny.B, tiny.T), jnp.int32)}
+    trees = {}
+    for candidate in ("nonprivate", "auto_bf16"):
+        losses, grads = jax.eval_shape(bench.make_step(candidate, graphdef, trainable, tiny.B), params, rest, batch, 0)
+        assert losses.shape == (tiny.B,)
+        trees[candidate] = jax.tree.map(lambda g: (g.shape, g.dtype), grads)
+    assert trees["auto_bf16"] == trees["nonprivate"] == jax.tree.map(lambda p: (p.shape, p.dtype), params)
