@@ -260,7 +260,7 @@ class Shape:
     mlp: int = 0               # llama: the SwiGLU MLP's width
 
     def key(self) -> str:
-        prefix = "" if self.family == "gpt2" else f"{self.family}-kv{self.kv_heads}-mlp{self.mlp}-"
+        prefix = "" if self.family == "gpt2" else f"{self.family}-unrolled-kv{self.kv_heads}-mlp{self.mlp}-"
         return (prefix + f"L{self.n_layer}-d{self.d}-V{self.vocab}-T{self.T}-B{self.B}-"
                 f"{'tied' if self.tied else 'untied'}" + (f"-lora{self.lora_rank}" if self.lora_rank else ""))
 
@@ -275,10 +275,11 @@ def medium(T=1024, B=8, tied=True):
     return Shape(f"gpt2-medium T{T} B{B}{'' if tied else ' untied'}", 24, 1024, 16, T, B, tied)
 
 
-def llama(T=1024, B=8):
+def llama(T=1024, B=4):
     """A Llama-style decoder at GPT-2 small's width: 12 layers, d 768, 12 heads with 4 key/value heads, SwiGLU MLP
-    2048, RMSNorm, rotary positions, untied head, vocabulary 32000; layers stacked and scanned (`models.Llama`, the
-    traced-program front end)."""
+    2048, RMSNorm, rotary positions, untied head, vocabulary 32000 (`models.Llama`, Flax layers: the traced-program
+    front end). Its layers are unrolled, like the GPT-2 shapes': ``cost_analysis()`` counts the body of a scanned
+    layer loop once, not once per layer, so a scanned model's FLOPs and bytes would not be comparable."""
     return Shape(f"llama-style T{T} B{B}", 12, 768, 12, T, B, tied=False, vocab=32000, family="llama", kv_heads=4,
                  mlp=2048)
 
@@ -287,7 +288,7 @@ SMOKE_SHAPES = [Shape("smoke L1 d64 V512 T32 B2", 1, 64, 2, 32, 2, True, vocab=5
 # default grid, in the issue's priority order; --full adds FULL_EXTRA and the largest-batch search
 DEFAULT_SHAPES = [small(1024, 8), small(1024, 8, n_layer=2), small(1024, 8, tied=False, n_layer=2), small(128, 32)]
 FULL_EXTRA = [small(1024, 8, tied=False), small(128, 32, n_layer=2), small(512, 8), small(2048, 4),
-              small(1024, 8, lora_rank=8), medium(1024, 8), medium(1024, 4), llama(1024, 8)]
+              small(1024, 8, lora_rank=8), medium(1024, 8), medium(1024, 4), llama(1024, 4)]
 
 DP_CANDIDATES = {   # every DP candidate is configured with target="tpu" (the step is compiled for the TPU slice)
     "auto": dict(mode="auto"),
@@ -363,7 +364,7 @@ def build(shape: Shape):
         llama_config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d, intermediate_size=shape.mlp,
                                    num_hidden_layers=shape.n_layer, num_attention_heads=shape.heads,
                                    num_key_value_heads=shape.kv_heads, max_position_embeddings=max(2048, shape.T),
-                                   tie_word_embeddings=shape.tied)
+                                   tie_word_embeddings=shape.tied, scan_layers=False)
         graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Llama(llama_config, rngs=nnx.Rngs(0))),
                                            nnx.Param, ...)
         return graphdef, params, rest, nnx.Param

@@ -139,13 +139,13 @@ def test_buffer_dump_reader(tmp_path):
 
 
 def test_llama_style_shape_builds_and_runs_on_the_program_front_end():
-    """The table's Llama-style shape (Flax layers, scanned): built abstractly, ``auto`` resolves on the traced-program
+    """The table's Llama-style shape (Flax layers, unrolled): built abstractly, ``auto`` resolves on the traced-program
     front end, and a reduced copy's non-private and private steps trace with one gradient per parameter and the
     same tree as the non-private one."""
     import dataclasses
 
-    shape = bench.llama(1024, 8)
-    assert shape.key().startswith("llama-kv4-mlp2048-L12-d768-V32000-T1024-B8") and shape in bench.FULL_EXTRA
+    shape = bench.llama(1024, 4)
+    assert shape.key().startswith("llama-unrolled-kv4-mlp2048-L12-d768-V32000-T1024-B4") and shape in bench.FULL_EXTRA
     tiny = dataclasses.replace(shape, n_layer=2, d=64, heads=4, kv_heads=2, mlp=128, vocab=256, T=16, B=2)
     assert bench.resolved_auto(tiny) == {"host": "bk", "v5e_chip": "bk"}
     graphdef, params, rest, trainable = bench.build(tiny)
