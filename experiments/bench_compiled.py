@@ -315,8 +315,9 @@ PEERS = ("jax_privacy", "optax")
 # a cached point older than its candidate's version is compiled again (2: shard_map with check_vma=False)
 # 3 (bk_shmap, bk_pallas) / 2 (others): configured with target="tpu", so norm_method="auto" resolves to "fastest"
 # +1 for the book-keeping candidates that instantiate: per-example gradients kept as [B, rows, cols] (the TPU
-# compiler no longer copies them into the parameter's layout)
-VERSIONS = {"bk_shmap": 4, "bk_pallas": 3, "auto": 3, "bk": 3, "bk_fastest": 3, "bk_mixed": 2, "auto_bf16": 2,
+# compiler no longer copies them into the parameter's layout); auto_bf16 3: a dense gradient rounded with
+# reduce_precision and normed in the fusion that writes it
+VERSIONS = {"bk_shmap": 4, "bk_pallas": 3, "auto": 3, "bk": 3, "bk_fastest": 3, "bk_mixed": 2, "auto_bf16": 3,
             "ghost": 2, "fused": 2, "program_bk": 2, "program_ghost": 2}
 # compile order (most wanted first: a GPT-2 small DP compile takes minutes on a small host)
 CANDIDATES = ("nonprivate", "auto", *PEERS, "bk", "bk_mixed", "bk_fastest", "ghost", "vmap", "bk_pallas", "bk_shmap",
