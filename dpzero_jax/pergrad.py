@@ -144,19 +144,24 @@ def instantiate_sum(uses: Sequence[PerExampleGrad], dtype=jnp.float32) -> Array:
     return sum(instantiate(u, dtype, matrix) for u in uses)
 
 
-def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32) -> tuple[Array, Array]:
+def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32,
+                         shape: tuple[int, ...] | None = None) -> tuple[Array, Array]:
     """``(G, sq)``: the instantiated ``G = sum_u G_u`` as kept for the clipped sum (see :func:`instantiate_sum`) and
     its ``[B]`` squared norms, taken of what is kept. In float32, ``G`` as computed. In a narrower ``dtype``, for
     dense uses: the float32 sum rounded once with ``lax.reduce_precision`` to ``dtype``'s precision, normed, and kept
     in ``dtype`` (an exact cast: the values are representable), so the norm can be computed in the fusion that
     writes ``G`` and still be the norm of what the clipped sum reads, whatever conversions the compiler merges. An
     embedding's rows are added in ``dtype`` (a float32 ``[B, V, d]`` scatter would undo the saving) and normed after
-    :func:`kept`."""
+    :func:`kept`. ``shape``: ``G`` reshaped to it (examples first) before it is normed and kept; the norms are over
+    everything after its first axis."""
+    def shaped(value):
+        return value if shape is None else value.reshape(shape)
     if jnp.dtype(dtype) == jnp.float32 or not all(isinstance(u, Outer) and not u.left_is_ids for u in uses):
-        value = kept(instantiate_sum(uses, dtype))
+        value = kept(shaped(instantiate_sum(uses, dtype)))
         return value, direct_sq_norm(value)
     info = jnp.finfo(dtype)
-    rounded = jax.lax.reduce_precision(instantiate_sum(uses), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    rounded = jax.lax.reduce_precision(shaped(instantiate_sum(uses)), exponent_bits=info.nexp,
+                                       mantissa_bits=info.nmant)
     return kept(rounded.astype(dtype)), direct_sq_norm(rounded)
 
 

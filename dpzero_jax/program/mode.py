@@ -254,9 +254,7 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
         kernel = "xla"
     ghost = pergrad.use_ghost(uses, method, kernel)
     if not ghost and kernel == "xla":
-        dense, sq = pergrad.kept_sum_and_sq_norm(uses, dtype)     # [B * k, rows, cols], [B * k]
-        dense = dense.reshape((batch, k) + (uses[0].rows, uses[0].cols))
-        sq = sq.reshape(batch, k).sum(axis=1)
+        dense, sq = pergrad.kept_sum_and_sq_norm(uses, dtype, (batch, k, uses[0].rows, uses[0].cols))
 
         def clipped(coef):
             return pergrad.weighted_sum([pergrad.Direct(dense)], coef)
