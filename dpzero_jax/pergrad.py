@@ -154,14 +154,15 @@ def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32,
     embedding's rows are added in ``dtype`` (a float32 ``[B, V, d]`` scatter would undo the saving) and normed after
     :func:`kept`. ``shape``: ``G`` reshaped to it (examples first) before it is normed and kept; the norms are over
     everything after its first axis."""
-    def shaped(value):
-        return value if shape is None else value.reshape(shape)
-    if jnp.dtype(dtype) == jnp.float32 or not all(isinstance(u, Outer) and not u.left_is_ids for u in uses):
-        value = kept(shaped(instantiate_sum(uses, dtype)))
+    rounds = jnp.dtype(dtype) != jnp.float32 and all(isinstance(u, Outer) and not u.left_is_ids for u in uses)
+    total = instantiate_sum(uses, jnp.float32 if rounds else dtype)
+    if shape is not None:
+        total = total.reshape(shape)
+    if not rounds:
+        value = kept(total)
         return value, direct_sq_norm(value)
     info = jnp.finfo(dtype)
-    rounded = jax.lax.reduce_precision(shaped(instantiate_sum(uses)), exponent_bits=info.nexp,
-                                       mantissa_bits=info.nmant)
+    rounded = jax.lax.reduce_precision(total, exponent_bits=info.nexp, mantissa_bits=info.nmant)
     return kept(rounded.astype(dtype)), direct_sq_norm(rounded)
 
 
@@ -254,8 +255,7 @@ def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed", kernel: str =
     if kernel == "pallas" and kinds == {Outer} and (ghost or not any(u.left_is_ids for u in uses)):
         return _pallas_sq_norm(uses, ghost)
     if not ghost:
-        total = instantiate_sum(uses)
-        return jnp.sum(jnp.square(total).reshape(total.shape[0], -1), axis=1)
+        return direct_sq_norm(instantiate_sum(uses))
     result = 0.0
     for i, u in enumerate(uses):
         for j in range(i, len(uses)):

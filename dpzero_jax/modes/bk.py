@@ -58,10 +58,11 @@ def _bk_chunk(loss_fn, cfg: DPConfig, plan: Plan, params, leaf_ids, batch, mask,
         # Where a parameter's norm is computed by instantiation, the instantiated per-example gradient is kept and
         # reused for the clipped sum (no second contraction).
         # (in cfg.instantiated_dtype: the norm is taken after rounding, so what is summed is what is clipped)
-        kept = {path: pergrad.kept_sum_and_sq_norm(u, cfg.instantiated_dtype)
-                for path, u in uses.items() if not pergrad.use_ghost(u, cfg.norm_method)}
-        instantiated = {path: value for path, (value, _) in kept.items()}
-        sq = {path: kept[path][1] if path in kept else pergrad.sq_norm(u, "ghost") for path, u in uses.items()}
+        kept_and_sq = {path: pergrad.kept_sum_and_sq_norm(u, cfg.instantiated_dtype)
+                       for path, u in uses.items() if not pergrad.use_ghost(u, cfg.norm_method)}
+        instantiated = {path: value for path, (value, _) in kept_and_sq.items()}
+        sq = {path: kept_and_sq[path][1] if path in kept_and_sq else pergrad.sq_norm(u, "ghost")
+              for path, u in uses.items()}
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
     grads = {path: (pergrad.weighted_sum([pergrad.Direct(instantiated[path])], coef[:, plan.group_of[path]])
