@@ -112,6 +112,9 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
 # "%name = <shape> <op>(" with <op> a collective, optionally "-start" (async); "-done" halves are skipped
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# a computation's first line ("%name (params) -> shape {", "ENTRY %name ... {") and an instruction calling one
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALL = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bcalls=%?([\w.\-]+)")
 
 
 def _arrays(shape_text: str) -> list[int]:
@@ -123,8 +126,36 @@ def _arrays(shape_text: str) -> list[int]:
     return sizes
 
 
+def _counted_collectives(hlo_text: str) -> list[re.Match]:
+    """The collective instructions of an HLO module's text, each logical collective once.
+
+    The TPU compiler splits a collective it overlaps with computation (an all-gather feeding a matmul) into three
+    fusions -- ``async-collective-start``, the overlapped ``async_collective_fusion`` and ``async-collective-done``
+    -- and each fused computation holds a copy of the same instruction (one channel). Only the start's copy is
+    counted: the copies in computations called by an ``async-collective-done`` or named ``async_collective_fusion``
+    are skipped (counting all three made one gather look like three).
+    """
+    lines = hlo_text.splitlines()
+    copies = set()
+    for line in lines:
+        call = _CALL.match(line)
+        if call and call.group(1).startswith("async-collective-done"):
+            copies.add(call.group(2))
+    found, computation = [], None
+    for line in lines:
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+            continue
+        match = _INSTRUCTION.match(line)
+        if match and computation not in copies and not (computation or "").startswith("async_collective_fusion"):
+            found.append(match)
+    return found
+
+
 def parse_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """``{kind: {"count": n, "bytes": b}}`` for every collective instruction of an HLO module's text.
+    """``{kind: {"count": n, "bytes": b}}`` for every collective of an HLO module's text (:func:`_counted_collectives`:
+    an async collective split over three fusions counted once).
 
     bytes: the size of the collective's output buffer(s) on one device. An async ``-start`` op's result is a tuple
     that also holds its operands (``all-gather-start``: ``(operands, outputs)``; ``collective-permute-start``:
@@ -132,10 +163,7 @@ def parse_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     Static count: an instruction in a loop body is counted once.
     """
     out: dict[str, dict[str, int]] = {}
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if not match:
-            continue
+    for match in _counted_collectives(hlo_text):
         shape_text, kind, start = match.groups()
         sizes = _arrays(shape_text)
         if start and kind in ("all-gather", "all-to-all", "reduce-scatter") and len(sizes) >= 2:
@@ -150,12 +178,8 @@ def parse_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def collective_shapes(hlo_text: str) -> list[str]:
     """The result shapes of the collectives (layouts dropped), in program order: what each one communicates."""
-    shapes = []
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if match:
-            shapes.append(match.group(2) + (match.group(3) or "") + " " + re.sub(r"\{[^}]*\}", "", match.group(1)))
-    return shapes
+    return [match.group(2) + (match.group(3) or "") + " " + re.sub(r"\{[^}]*\}", "", match.group(1))
+            for match in _counted_collectives(hlo_text)]
 
 
 _OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")

@@ -43,6 +43,45 @@ def test_parser_on_written_hlo_lines():
     assert set(found) == {"all-reduce", "all-gather", "collective-permute", "reduce-scatter"}
 
 
+def test_parser_counts_an_async_collective_split_over_three_fusions_once():
+    """The TPU compiler's form of an all-gather overlapped with a matmul: the same instruction (one channel) copied
+    into the computations of ``async-collective-start``, the overlapped ``async_collective_fusion`` and
+    ``async-collective-done``. It is one gather of bf16[1, 64, 128]; a plain gather elsewhere is counted too."""
+    gather = ("  ROOT %all-gather.{n} = bf16[1,64,128]{{1,2,0:T(8,128)(2,1)}} all-gather(%param_0.{n}), channel_id=20, "
+              "replica_groups={{{{0,1,2,3}}}}, dimensions={{2}}")
+    text = "\n".join([
+        "HloModule jit_step, is_scheduled=true",
+        "",
+        "%fused_computation.1 (param_0.1: bf16[1,64,32]) -> bf16[1,64,128] {",
+        "  %param_0.1 = bf16[1,64,32]{1,2,0} parameter(0)",
+        gather.format(n=1),
+        "}",
+        "",
+        "%async_collective_fusion.2 (param_0.2: bf16[1,64,32]) -> (bf16[64,64], bf16[1,64,128]) {",
+        "  %param_0.2 = bf16[1,64,32]{1,2,0} parameter(0)",
+        gather.format(n=2),
+        "}",
+        "",
+        "%fused_computation.3 (param_0.3: bf16[1,64,32]) -> bf16[1,64,128] {",
+        "  %param_0.3 = bf16[1,64,32]{1,2,0} parameter(0)",
+        gather.format(n=3),
+        "}",
+        "",
+        "ENTRY %main.9 (p: bf16[1,64,32], q: f32[8]) -> bf16[1,64,128] {",
+        "  %p = bf16[1,64,32]{1,2,0} parameter(0)",
+        "  %q = f32[8]{0} parameter(1)",
+        "  %async-collective-start.1 = (bf16[1,64,32], bf16[1,64,128]) fusion(%p), kind=kCustom, "
+        "calls=%fused_computation.1",
+        "  %fusion.2 = (bf16[64,64], bf16[1,64,128]) fusion(%p), kind=kCustom, calls=%async_collective_fusion.2",
+        "  %ag = f32[32]{0} all-gather(%q), channel_id=21, replica_groups={{0,1,2,3}}, dimensions={0}",
+        "  ROOT %async-collective-done.1 = bf16[1,64,128] fusion(%p), kind=kCustom, calls=%fused_computation.3",
+        "}",
+    ])
+    found = bench.parse_collectives(text)
+    assert found == {"all-gather": {"count": 2, "bytes": 64 * 128 * 2 + 32 * 4}}
+    assert bench.collective_shapes(text) == ["all-gather bf16[1,64,128]", "all-gather f32[32]"]
+
+
 def test_parser_on_a_compiled_cpu_program():
     """A program with one known all-reduce (psum of a per-device f32[256]) and one all-gather (4 x f32[2, 64] ->
     f32[8, 64]), compiled for 4 CPU devices: the parser finds both with their output bytes."""
