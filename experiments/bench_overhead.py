@@ -194,12 +194,17 @@ def make_steps(loss_fn, optimizer, names: list[str], batch_size: int) -> list[Ca
 
 
 def resolve_auto(loss_fn, cfg: dz.DPConfig, params, batch) -> str:
-    """What ``mode="auto"`` picks for this backend and these shapes (the engine's own cost model)."""
+    """What ``mode="auto"`` picks for this backend and these shapes, and on which front end (the engine's own
+    choice, as :func:`dpzero_jax.explain_plan` reports it: a model not built from ``dz.nn`` layers is planned from
+    its traced program)."""
     try:
-        resolved = engine.choose_mode(cfg, dz.make_plan(loss_fn, cfg, params, batch))
+        report = dz.explain_plan(loss_fn, cfg, params, batch)
+        if report.mode == "vmap":
+            resolved = engine.choose_mode(cfg, dz.make_plan(loss_fn, cfg, params, batch, require_supported=False))
+            return f"vmap (microbatch={resolved.microbatch_size})"
     except Exception as error:  # an internal helper: report, do not fail the benchmark
         return f"? ({type(error).__name__}: {error})"
-    return resolved.mode + (f" (microbatch={resolved.microbatch_size})" if resolved.mode == "vmap" else "")
+    return report.mode + ("" if report.front_end == "layers" else " (program front-end)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
