@@ -27,7 +27,8 @@ Mesh ``(data, fsdp)``: ``fsdp`` is the largest divisor of the device count for w
 it divides (:func:`largest_fsdp`; GPT-2 XL's d = 1600 = 2^6 x 25 allows 64, so on 256 chips the mesh is data=4 x
 fsdp=64: model states sharded 64 ways, batch over all 256).
 
-Per point: ``memory_analysis()`` (argument / output / alias / temporary bytes per device), ``cost_analysis()``
+Per point: ``memory_analysis()`` (argument / output / alias / temporary bytes per device; with ``--buffers`` also the
+compiler's buffer assignment, read from its ``--xla_dump_to`` files as ``tpu_buffers.py`` does), ``cost_analysis()``
 FLOPs, every collective of the optimised HLO (kind, static count, bytes) and the largest ones by shape. A point the
 compiler refuses (a program larger than the chip's HBM) is recorded with the compiler's message and the used /
 available bytes it states; ``--topology`` (e.g. ``v5p:4x4x8``: 95 GB chips) recompiles the same step where it fits.
@@ -51,7 +52,9 @@ import dataclasses
 import math
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +70,7 @@ from bench_compiled import (  # noqa: E402  (a sibling script, imported without 
     require_libtpu,
     save,
 )
+from tpu_buffers import read_dump  # noqa: E402  (no JAX either)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
 VARIANTS = ("nonprivate", "dp")
@@ -178,6 +182,27 @@ def table(points: dict) -> str:
         lines.append(head + f" {_gib(r['temp_bytes'])} | {_gib(r['argument_bytes'])} | {_gib(r['output_bytes'])} "
                      f"| {r['flops'] / 1e12:.1f} | {colls or '-'} | {ratio_temp} | {ratio_coll} |")
     return "\n".join(lines)
+
+
+def buffer_table(points: dict) -> str:
+    """The points compiled with ``--buffers``: the compiler's buffer assignment (its preallocated temporary buffer,
+    and the HBM total it checks against the chip: that buffer + arguments + outputs) beside ``memory_analysis()``'s
+    temporaries, each against the same case's non-private step."""
+    lines = ["| case | strategy | step | preallocated temp GiB | x | HBM total GiB | x | memory_analysis temp GiB "
+             "| x |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(points):
+        r = points[key]
+        if "preallocated_temp_bytes" not in r:
+            continue
+        case, strategy, variant = key.split("/")
+        base = points.get(f"{case}/{strategy}/nonprivate", {})
+        cells = []
+        for field in ("preallocated_temp_bytes", "default_space_bytes", "temp_bytes"):
+            ratio = f"{r[field] / base[field]:.2f}x" if variant != "nonprivate" and field in base else "-"
+            cells.append(f"{_gib(r[field])} | {ratio}")
+        lines.append(f"| {case} | {strategy} | {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def kernel_table(kernels: dict) -> str:
@@ -323,8 +348,15 @@ def compile_point(case: Case, variant: str, strategy: str, remat: str):
     return compiled, mesh, (lowered_at - start, time.perf_counter() - lowered_at)
 
 
-def measure(case: Case, variant: str, strategy: str, remat: str) -> dict:
+def measure(case: Case, variant: str, strategy: str, remat: str, dump: str | None = None) -> dict:
+    """One point's figures; with ``dump`` (the directory ``--xla_dump_to`` names) also its buffer assignment."""
     compiled, mesh, seconds = compile_point(case, variant, strategy, remat)
+    buffers = {}
+    if dump:
+        buffers = read_dump(dump)
+        for entry in os.listdir(dump):   # the next point's dump must be the only one
+            path = os.path.join(dump, entry)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -344,17 +376,19 @@ def measure(case: Case, variant: str, strategy: str, remat: str) -> dict:
         "largest_collectives": largest_collectives(hlo),
         "lower_seconds": round(seconds[0], 1),
         "compile_seconds": round(seconds[1], 1),
+        **buffers,
     }
 
 
-def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, remat: str, recompute: bool) -> dict:
+def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, remat: str, recompute: bool,
+              dump: str | None = None) -> dict:
     points = data.setdefault("points", {})
     key = f"{case.name}/{strategy}/{variant}"
     if key in points and not recompute and points[key].get("failed") != "error":
         return points[key]
     print(f"compiling {key} on {case.topology} ...", flush=True)
     try:
-        result = measure(case, variant, strategy, remat)
+        result = measure(case, variant, strategy, remat, dump)
         print(f"  temp {_gib(result['temp_bytes'])} GiB, args {_gib(result['argument_bytes'])} GiB, collectives "
               f"{result['collective_bytes'] / 1e6:.0f} MB, compile {result['compile_seconds']} s", flush=True)
     except Exception as error:  # a refusal is a result: recorded with the compiler's reason
@@ -432,10 +466,17 @@ def main(argv=None):
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--table", action="store_true", help="print the JSON's tables (no compiling, no libtpu)")
+    parser.add_argument("--buffers", action="store_true", help="also read each step's buffer assignment from the "
+                        "compiler's dump (--xla_dump_to): its preallocated temporary buffer and HBM total")
     args = parser.parse_args(argv)
     data = load(args.out)
+    dump = None
     if not args.table:
         require_libtpu()
+        if args.buffers:   # before JAX starts: XLA reads its flags once
+            dump = tempfile.mkdtemp(prefix="tpu_aot_dump_")
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                       f" --xla_dump_to={dump} --xla_dump_hlo_module_re=jit_step").strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         import jax
@@ -455,8 +496,14 @@ def main(argv=None):
                     if strategy not in case.strategies:
                         continue
                     for variant in args.variants.split(","):
-                        run_point(data, args.out, case, variant, strategy, args.remat, args.recompute)
+                        run_point(data, args.out, case, variant, strategy, args.remat, args.recompute, dump)
+    if dump:
+        shutil.rmtree(dump, ignore_errors=True)
     print(table(data.get("points", {})))
+    buffers = buffer_table(data.get("points", {}))
+    if buffers:
+        print()
+        print(buffers)
     if data.get("kernels"):
         print()
         print(kernel_table(data["kernels"]))

@@ -75,6 +75,18 @@ def test_table_ratios_refusals_and_kernels():
     assert "| gram/x | bf16[1, 8, 16] | 1 | 1.0 | 1.5 |" in kernels and "| bad | - | error: no |" in kernels
 
 
+def test_buffer_table_lists_only_points_with_a_buffer_assignment():
+    buffers = {"preallocated_temp_bytes": 2**30, "default_space_bytes": 2 * 2**30}
+    points = {"m/gspmd/nonprivate": _point(2**30, 0, **buffers),
+              "m/gspmd/dp": _point(3 * 2**30, 0, preallocated_temp_bytes=int(1.5 * 2**30),
+                                   default_space_bytes=int(2.5 * 2**30)),
+              "m/explicit/dp": _point(2**30, 0)}
+    rows = aot.buffer_table(points).splitlines()[2:]
+    assert rows == ["| m | gspmd | dp | 1.50 | 1.50x | 2.50 | 1.25x | 3.00 | 3.00x |",
+                    "| m | gspmd | nonprivate | 1.00 | - | 2.00 | - | 1.00 | - |"]
+    assert aot.buffer_table({"m/explicit/dp": _point(2**30, 0)}) == ""
+
+
 def test_table_mode_needs_no_libtpu(tmp_path):
     out = tmp_path / "r.json"
     out.write_text(json.dumps({"points": {"m/gspmd/nonprivate": _point(2**30, 0)}}))
