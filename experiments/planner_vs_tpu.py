@@ -66,16 +66,19 @@ def parse_spec(spec: str) -> tpu_aot.Case:
     return dataclasses.replace(case, name=spec, config=tuple(config.items()), topology=topology, **extra)
 
 
-def compile_spec(case: tpu_aot.Case, variant: str) -> dict:
+def compile_spec(case: tpu_aot.Case, variant: str, dump: str | None = None) -> dict:
     compiled, mesh, seconds = tpu_aot.compile_point(case, variant, "gspmd", "block")
     memory = compiled.memory_analysis()
     return {"mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}", "topology": case.topology,
             "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
-            "T": case.T, "examples_per_chip": case.B, "compile_seconds": round(seconds[1], 1)}
+            "T": case.T, "examples_per_chip": case.B, "compile_seconds": round(seconds[1], 1),
+            **(tpu_aot.take_dump(dump) if dump else {})}
 
 
 def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
-    """Rows ``{case, mesh, variant, compiled, planner, ratio}`` (GiB) for the compiled points of ``case``."""
+    """Rows ``{case, mesh, variant, compiled, planner, ratio, allocated, allocated_ratio}`` (GiB) for the compiled
+    points of ``case``; ``allocated`` (None without a buffer assignment): the compiler's HBM total, arguments + its
+    preallocated temporary buffer (the outputs alias the donated arguments)."""
     rows = []
     config = decoder_config(case)
     for variant in ("nonprivate", "dp"):
@@ -88,8 +91,11 @@ def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
                                    remat="block", shards=int(shape["fsdp"]))
         compiled = point["argument_bytes"] + point["temp_bytes"]
         mine = plan.total if variant == "dp" else plan.total_non_dp
+        allocated = point.get("default_space_bytes")
         rows.append({"case": case.name, "mesh": point["mesh"], "variant": variant, "compiled": compiled / GIB,
-                     "planner": mine / GIB, "ratio": mine / compiled})
+                     "planner": mine / GIB, "ratio": mine / compiled,
+                     "allocated": allocated / GIB if allocated else None,
+                     "allocated_ratio": mine / allocated if allocated else None})
     return rows
 
 
@@ -100,6 +106,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--variants", default="nonprivate,dp")
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--buffers", action="store_true", help="also record each compiled step's buffer assignment "
+                        "(tpu_aot.py --buffers)")
     args = parser.parse_args(argv)
     cached = tpu_aot.load(os.path.join(HERE, "results", "tpu_aot.json")).get("points", {})
     rows = []
@@ -112,20 +120,23 @@ def main(argv=None) -> list[dict]:
             raise SystemExit("--compile needs libtpu (see experiments/bench_compiled.py)")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    dump = tpu_aot.start_dump() if args.compile and args.buffers else None
     for spec in list(data.get("points", {})) + [s for s in args.compile if s not in data.get("points", {})]:
         case = parse_spec(spec)
         points = data.setdefault("points", {}).setdefault(spec, {})
         for variant in args.variants.split(","):
             if spec in args.compile and (variant not in points or args.recompute):
                 print(f"compiling {spec} {variant} ...", flush=True)
-                points[variant] = compile_spec(case, variant)
+                points[variant] = compile_spec(case, variant, dump)
                 tpu_aot.save(args.out, data)
         rows += compare(case, points)
-    print("| case | mesh | step | compiled GiB (args + temp) | planner GiB | planner / compiled |")
-    print("|---|---|---|---|---|---|")
+    print("| case | mesh | step | compiled GiB (args + temp) | planner GiB | planner / compiled | allocated GiB "
+          "(args + preallocated temp) | planner / allocated |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        allocated = (f"{r['allocated']:.3f} | {r['allocated_ratio']:.2f}" if r["allocated"] is not None else "- | -")
         print(f"| {r['case']} | {r['mesh']} | {r['variant']} | {r['compiled']:.3f} | {r['planner']:.3f} "
-              f"| {r['ratio']:.2f} |")
+              f"| {r['ratio']:.2f} | {allocated} |")
     return rows
 
 

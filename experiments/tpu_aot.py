@@ -351,12 +351,7 @@ def compile_point(case: Case, variant: str, strategy: str, remat: str):
 def measure(case: Case, variant: str, strategy: str, remat: str, dump: str | None = None) -> dict:
     """One point's figures; with ``dump`` (the directory ``--xla_dump_to`` names) also its buffer assignment."""
     compiled, mesh, seconds = compile_point(case, variant, strategy, remat)
-    buffers = {}
-    if dump:
-        buffers = read_dump(dump)
-        for entry in os.listdir(dump):   # the next point's dump must be the only one
-            path = os.path.join(dump, entry)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    buffers = take_dump(dump) if dump else {}
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -378,6 +373,24 @@ def measure(case: Case, variant: str, strategy: str, remat: str, dump: str | Non
         "compile_seconds": round(seconds[1], 1),
         **buffers,
     }
+
+
+def start_dump() -> str:
+    """A fresh directory the compiler dumps each step into (``--xla_dump_to``; call before JAX starts: XLA reads its
+    flags once)."""
+    dump = tempfile.mkdtemp(prefix="tpu_aot_dump_")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_dump_to={dump} --xla_dump_hlo_module_re=jit_step").strip()
+    return dump
+
+
+def take_dump(dump: str) -> dict:
+    """The last compiled step's buffer assignment (:func:`tpu_buffers.read_dump`); the dump is emptied for the next."""
+    buffers = read_dump(dump)
+    for entry in os.listdir(dump):
+        path = os.path.join(dump, entry)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return buffers
 
 
 def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, remat: str, recompute: bool,
@@ -473,10 +486,8 @@ def main(argv=None):
     dump = None
     if not args.table:
         require_libtpu()
-        if args.buffers:   # before JAX starts: XLA reads its flags once
-            dump = tempfile.mkdtemp(prefix="tpu_aot_dump_")
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                       f" --xla_dump_to={dump} --xla_dump_hlo_module_re=jit_step").strip()
+        if args.buffers:
+            dump = start_dump()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         import jax
