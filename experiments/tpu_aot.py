@@ -387,10 +387,17 @@ def start_dump() -> str:
 def take_dump(dump: str) -> dict:
     """The last compiled step's buffer assignment (:func:`tpu_buffers.read_dump`); the dump is emptied for the next."""
     buffers = read_dump(dump)
+    clear_dump(dump)
+    return buffers
+
+
+def clear_dump(dump: str) -> None:
     for entry in os.listdir(dump):
         path = os.path.join(dump, entry)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return buffers
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, remat: str, recompute: bool,
@@ -405,6 +412,8 @@ def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, re
         print(f"  temp {_gib(result['temp_bytes'])} GiB, args {_gib(result['argument_bytes'])} GiB, collectives "
               f"{result['collective_bytes'] / 1e6:.0f} MB, compile {result['compile_seconds']} s", flush=True)
     except Exception as error:  # a refusal is a result: recorded with the compiler's reason
+        if dump:
+            clear_dump(dump)   # a refused compile's files must not be read as the next point's
         text = str(error).strip()
         result = {"failed": "oom" if _is_oom(error) else "error", "message": " ".join(text.split())[:3000]}
         result.update(refusal(text))
