@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -130,6 +131,8 @@ def main(argv=None) -> list[dict]:
                 points[variant] = compile_spec(case, variant, dump)
                 tpu_aot.save(args.out, data)
         rows += compare(case, points)
+    if dump:
+        shutil.rmtree(dump, ignore_errors=True)
     print("| case | mesh | step | compiled GiB (args + temp) | planner GiB | planner / compiled | allocated GiB "
           "(args + preallocated temp) | planner / allocated |")
     print("|---|---|---|---|---|---|---|---|")
