@@ -84,10 +84,18 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hlo_text import (  # noqa: E402,F401  (a sibling module; re-exported: tpu_aot and the tests read them here)
+    COLLECTIVES,
+    _arrays,
+    collective_shapes,
+    large_buffers,
+    parse_collectives,
+)
 
 GIB = 1 << 30
 # per chip: (peak FLOP/s at bf16, HBM bytes/s, HBM bytes, ICI bytes/s); see the module docstring for the source
@@ -99,113 +107,6 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 INSTALL_HINT = ('libtpu is not installed: the TPU compiler is needed for this benchmark. Install the extra in a '
                 'separate virtual environment: pip install -e ".[tpu-aot]" (jax[tpu] at the same version as jax, '
                 'and jax-privacy).')
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The optimised HLO: collectives and their bytes.
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast", "ragged-all-to-all")
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-                "f8e4m3fn": 1, "f8e5m2": 1}
-_ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
-# "%name = <shape> <op>(" with <op> a collective, optionally "-start" (async); "-done" halves are skipped
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-# a computation's first line ("%name (params) -> shape {", "ENTRY %name ... {") and an instruction calling one
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALL = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bcalls=%?([\w.\-]+)")
-
-
-def _arrays(shape_text: str) -> list[int]:
-    """Byte sizes of the arrays in an HLO shape (an array or a tuple of arrays)."""
-    sizes = []
-    for dtype, dims in _ARRAY.findall(shape_text):
-        count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        sizes.append(int(count * _DTYPE_BYTES[dtype]))
-    return sizes
-
-
-def _counted_collectives(hlo_text: str) -> list[re.Match]:
-    """The collective instructions of an HLO module's text, each logical collective once.
-
-    The TPU compiler splits a collective it overlaps with computation (an all-gather feeding a matmul) into three
-    fusions -- ``async-collective-start``, the overlapped ``async_collective_fusion`` and ``async-collective-done``
-    -- and each fused computation holds a copy of the same instruction (one channel). Only the start's copy is
-    counted: the copies in computations called by an ``async-collective-done`` or named ``async_collective_fusion``
-    are skipped (counting all three made one gather look like three).
-    """
-    lines = hlo_text.splitlines()
-    copies = set()
-    for line in lines:
-        call = _CALL.match(line)
-        if call and call.group(1).startswith("async-collective-done"):
-            copies.add(call.group(2))
-    found, computation = [], None
-    for line in lines:
-        header = _COMPUTATION.match(line)
-        if header:
-            computation = header.group(1)
-            continue
-        match = _INSTRUCTION.match(line)
-        if match and computation not in copies and not (computation or "").startswith("async_collective_fusion"):
-            found.append(match)
-    return found
-
-
-def parse_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """``{kind: {"count": n, "bytes": b}}`` for every collective of an HLO module's text (:func:`_counted_collectives`:
-    an async collective split over three fusions counted once).
-
-    bytes: the size of the collective's output buffer(s) on one device. An async ``-start`` op's result is a tuple
-    that also holds its operands (``all-gather-start``: ``(operands, outputs)``; ``collective-permute-start``:
-    ``(operand, output, context...)``), so only the output part is counted; a combined all-reduce's tuple is summed.
-    Static count: an instruction in a loop body is counted once.
-    """
-    out: dict[str, dict[str, int]] = {}
-    for match in _counted_collectives(hlo_text):
-        shape_text, kind, start = match.groups()
-        sizes = _arrays(shape_text)
-        if start and kind in ("all-gather", "all-to-all", "reduce-scatter") and len(sizes) >= 2:
-            sizes = sizes[len(sizes) // 2:]
-        elif start and kind == "collective-permute" and sizes:
-            sizes = sizes[1:2] if len(sizes) >= 2 else sizes
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += sum(sizes)
-    return out
-
-
-def collective_shapes(hlo_text: str) -> list[str]:
-    """The result shapes of the collectives (layouts dropped), in program order: what each one communicates."""
-    return [match.group(2) + (match.group(3) or "") + " " + re.sub(r"\{[^}]*\}", "", match.group(1))
-            for match in _counted_collectives(hlo_text)]
-
-
-_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")
-_NOT_MATERIALISED = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "copy-done",
-                     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done"}
-
-
-def large_buffers(hlo_text: str, threshold_bytes: int) -> dict[str, int]:
-    """``{opcode: count}`` of the instructions of the non-fused computations whose output has an array of at least
-    ``threshold_bytes`` (a diagnosis: e.g. how many ``[B, T, V]``-sized buffers the step materialises). Fused
-    computations (their instructions live in vector registers / VMEM) and aliasing ops are skipped."""
-    found: dict[str, int] = {}
-    fused = False
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
-            fused = "fused" in name or "fusion" in name
-            continue
-        if fused:
-            continue
-        match = _OPCODE.match(line)
-        if not match or match.group(2) in _NOT_MATERIALISED:
-            continue
-        if max(_arrays(match.group(1)), default=0) >= threshold_bytes:
-            found[match.group(2)] = found.get(match.group(2), 0) + 1
-    return found
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """TPU-pod evidence by ahead-of-time compilation: large-model ZeRO-3 Adam steps, DP against non-DP, on TPU slices.
 
 No TPU is needed: libtpu compiles for a TPU topology on this CPU host (the set-up, its environment variables and the
-libtpu lock are described in ``experiments/bench_compiled.py``, whose HLO helpers this script reuses). Nothing runs;
-every number is read from the compiled TPU program of one training step.
+libtpu lock are described in ``experiments/bench_compiled.py``; the HLO is read by ``experiments/hlo_text.py``).
+Nothing runs; every number is read from the compiled TPU program of one training step.
 
 Models (the project's own classes, real shapes, layers stacked and scanned, built by ``nnx.eval_shape``: no weight
 is ever materialised):
@@ -29,7 +29,10 @@ fsdp=64: model states sharded 64 ways, batch over all 256).
 
 Per point: ``memory_analysis()`` (argument / output / alias / temporary bytes per device; with ``--buffers`` also the
 compiler's buffer assignment, read from its ``--xla_dump_to`` files as ``tpu_buffers.py`` does), ``cost_analysis()``
-FLOPs, every collective of the optimised HLO (kind, static count, bytes) and the largest ones by shape. A point the
+FLOPs, every collective of the optimised HLO (kind, count, bytes) and the largest ones by shape. Collectives twice:
+as the program text holds them (static: one in the layer scan's body counted once) and per executed step (each
+times the trip counts of the loops around it, read from the loops' conditions: ``hlo_text.multiplicities``; the
+trip counts are recorded). ``cost_analysis()``'s FLOPs are static: a loop body's once. A point the
 compiler refuses (a program larger than the chip's HBM) is recorded with the compiler's message and the used /
 available bytes it states; ``--topology`` (e.g. ``v5p:4x4x8``: 95 GB chips) recompiles the same step where it fits.
 The Pallas TPU kernels of ``dpzero_jax_kernels.ghost_norm`` are compiled (Mosaic, not interpreted) at GPT-2 XL widths
@@ -70,7 +73,8 @@ from bench_compiled import (  # noqa: E402  (a sibling script, imported without 
     require_libtpu,
     save,
 )
-from tpu_buffers import read_dump  # noqa: E402  (no JAX either)
+from hlo_text import loop_trip_counts  # noqa: E402  (no JAX either)
+from tpu_buffers import read_dump  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
 VARIANTS = ("nonprivate", "dp")
@@ -162,9 +166,10 @@ def _gib(value) -> str:
 def table(points: dict) -> str:
     """A Markdown table of the compiled points: per device temp / argument / output GiB, TFLOPs, collective MB, and
     DP against the same case's non-private step (temp and collective-bytes ratios)."""
-    lines = ["| case | topology | mesh | strategy | step | temp GiB | args GiB | out GiB | TFLOPs | collectives "
-             "(count, MB) | DP/non-DP temp | DP/non-DP coll. bytes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | topology | mesh | strategy | step | temp GiB | args GiB | out GiB | TFLOPs (static) | "
+             "collectives, static (count, MB) | DP/non-DP temp | DP/non-DP coll. bytes, static | collective GB per "
+             "step | DP/non-DP coll. bytes per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(points):
         r = points[key]
         case, strategy, variant = key.split("/")
@@ -172,15 +177,20 @@ def table(points: dict) -> str:
         head = f"| {case} | {r.get('topology', '-')} | {r.get('mesh', '-')} | {strategy} | {variant} |"
         if "failed" in r:
             used = (f" (needs {_gib(r['used_bytes'])} of {_gib(r['hbm_bytes'])} GiB)" if "used_bytes" in r else "")
-            lines.append(head + f" {r['failed']}{used}: {r['message'][:120]} |" + " |" * 6)
+            lines.append(head + f" {r['failed']}{used}: {r['message'][:120]} |" + " |" * 8)
             continue
         colls = ", ".join(f"{k} {v['count']}, {v['bytes'] / 1e6:.0f}" for k, v in sorted(r["collectives"].items()))
-        ratio_temp = ratio_coll = "-"
+        ratio_temp = ratio_coll = ratio_step = "-"
+        per_step = r.get("collective_bytes_per_step")
         if variant != "nonprivate" and "temp_bytes" in base:
             ratio_temp = f"{r['temp_bytes'] / max(base['temp_bytes'], 1):.2f}x"
             ratio_coll = f"{r['collective_bytes'] / max(base['collective_bytes'], 1):.2f}x"
+            if per_step is not None and base.get("collective_bytes_per_step"):
+                ratio_step = f"{per_step / base['collective_bytes_per_step']:.2f}x"
+        step_gb = "-" if per_step is None else f"{per_step / 1e9:.1f}"
         lines.append(head + f" {_gib(r['temp_bytes'])} | {_gib(r['argument_bytes'])} | {_gib(r['output_bytes'])} "
-                     f"| {r['flops'] / 1e12:.1f} | {colls or '-'} | {ratio_temp} | {ratio_coll} |")
+                     f"| {r['flops'] / 1e12:.1f} | {colls or '-'} | {ratio_temp} | {ratio_coll} | {step_gb} "
+                     f"| {ratio_step} |")
     return "\n".join(lines)
 
 
@@ -357,6 +367,7 @@ def measure(case: Case, variant: str, strategy: str, remat: str, dump: str | Non
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     hlo = compiled.as_text()
     collectives = parse_collectives(hlo)
+    per_step = parse_collectives(hlo, executed=True)
     return {
         "mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         "temp_bytes": int(memory.temp_size_in_bytes),
@@ -368,6 +379,9 @@ def measure(case: Case, variant: str, strategy: str, remat: str, dump: str | Non
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "collectives": collectives,
         "collective_bytes": int(sum(c["bytes"] for c in collectives.values())),
+        "collectives_per_step": per_step,
+        "collective_bytes_per_step": int(sum(c["bytes"] for c in per_step.values())),
+        "loop_trip_counts": loop_trip_counts(hlo),
         "largest_collectives": largest_collectives(hlo),
         "lower_seconds": round(seconds[0], 1),
         "compile_seconds": round(seconds[1], 1),
@@ -410,7 +424,9 @@ def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, re
     try:
         result = measure(case, variant, strategy, remat, dump)
         print(f"  temp {_gib(result['temp_bytes'])} GiB, args {_gib(result['argument_bytes'])} GiB, collectives "
-              f"{result['collective_bytes'] / 1e6:.0f} MB, compile {result['compile_seconds']} s", flush=True)
+              f"{result['collective_bytes'] / 1e6:.0f} MB static, "
+              f"{result['collective_bytes_per_step'] / 1e9:.2f} GB per step, compile {result['compile_seconds']} s",
+              flush=True)
     except Exception as error:  # a refusal is a result: recorded with the compiler's reason
         if dump:
             clear_dump(dump)   # a refused compile's files must not be read as the next point's
