@@ -441,7 +441,7 @@ def test_convert_to_rmm_keeps_parameters_and_outputs():
     rmm.convert_to_rmm(model, sketch="dct", rate=0.5, private=True, where=lambda path, _: path != "lm_head")
     converted = rmm.rmm_layers(model)
     assert sorted(converted) == ["h/0/attn/c_attn", "h/0/attn/c_proj", "h/0/mlp/c_fc", "h/0/mlp/c_proj"]
-    assert converted["h/0/attn/c_attn"].n_in == 1 and converted["h/0/attn/c_proj"].n_in == 2
+    assert all(layer.n_in == 1 for layer in converted.values())
     assert all(layer.config.projection == "tokens" for layer in converted.values())
     assert isinstance(model.lm_head, dz.nn.Linear)
     params_after = nnx.state(model, nnx.Param)
@@ -449,6 +449,26 @@ def test_convert_to_rmm_keeps_parameters_and_outputs():
     for a, b in zip(jax.tree.leaves(params_before), jax.tree.leaves(params_after)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(forward(model, ids), before, rtol=1e-6)
+
+
+def test_convert_to_rmm_keeps_multi_axis_projections():
+    """Dense layers contracting two axes (an attention output over ``[H, Dh]``): ``dz.nn.DenseGeneral`` and
+    ``nnx.LinearGeneral`` convert with ``n_in == 2`` and the same outputs."""
+    class HeadsOut(nnx.Module):
+        def __init__(self, rngs):
+            self.ours = dz.nn.DenseGeneral((2, 4), (8,), rngs=rngs)
+            self.flax = nnx.LinearGeneral((2, 4), (8,), axis=(-2, -1), rngs=rngs)
+
+        def __call__(self, x):                  # [B, T, 2, 4] -> [B, T, 8]
+            return self.ours(x) + self.flax(x)
+
+    model = HeadsOut(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 2, 4)), jnp.float32)
+    before = forward(model, x)
+    rmm.convert_to_rmm(model, sketch="dct", rate=0.5, private=True)
+    converted = rmm.rmm_layers(model)
+    assert sorted(converted) == ["flax", "ours"] and all(layer.n_in == 2 for layer in converted.values())
+    np.testing.assert_allclose(forward(model, x), before, rtol=1e-6)
 
 
 def test_convert_to_rmm_errors():
@@ -733,5 +753,5 @@ def test_stacked_layers_are_refused_with_a_clear_error():
     inside the scan."""
     config = dz.models.GPT2Config(vocab_size=20, n_positions=4, n_embd=8, n_layer=2, n_head=2, scan_layers=True)
     model = build(dz.models.GPT2, config, 0)
-    with pytest.raises(ValueError, match=r"kernel has shape \(2, 8, 3, 2, 4\) \(stacked for a scan"):
+    with pytest.raises(ValueError, match=r"kernel has shape \(2, 8, 24\) \(stacked for a scan"):
         rmm.convert_to_rmm(model, sketch="gaussian", rate=0.5, private=True)

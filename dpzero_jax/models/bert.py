@@ -6,7 +6,7 @@ Word + position + token-type embeddings and a LayerNorm; post-LN blocks ``x = LN
 classification head. RoBERTa differs in its positions (``padding_idx + 1 + index`` of non-pad tokens, pads at
 ``padding_idx``) and in where its ``tanh`` dense layer lives (``classifier.dense``: part of the head, here
 ``head/dense``; BERT's is the pretrained ``pooler``). Dropout is not implemented (inference semantics).
-Query, key and value are one fused ``c_attn`` projection ``[d] -> [3, H, Dh]`` as in the other transformers of this
+Query, key and value are one fused ``c_attn`` projection ``[d] -> [3d]`` as in the other transformers of this
 package (LoRA on ``c_attn`` adapts all three).
 """
 

@@ -1,8 +1,8 @@
 """Hugging Face BERT / RoBERTa checkpoints (``*ForSequenceClassification``, ``*Model``) <->
 :class:`~dpzero_jax.models.BertEncoder`.
 
-``nn.Linear`` weights are ``[out, in]`` and are transposed; ``query``, ``key`` and ``value`` are stacked into one
-``c_attn`` ``[d, 3, H, Dh]``. Old checkpoints' ``LayerNorm.gamma`` / ``beta`` are read as ``weight`` / ``bias``.
+``nn.Linear`` weights are ``[out, in]`` and are transposed; ``query``, ``key`` and ``value`` are side by side in
+one ``c_attn`` ``[d, 3d]``. Old checkpoints' ``LayerNorm.gamma`` / ``beta`` are read as ``weight`` / ``bias``.
 The task head (BERT's pooler and classifier, RoBERTa's classifier) may be missing or have another number of labels:
 it is then initialised afresh.
 """
@@ -10,7 +10,7 @@ it is then initialised afresh.
 from __future__ import annotations
 
 from dpzero_jax.models.bert import BertConfig
-from dpzero_jax.models.hf_mapping import Entry, dense, fused_qkv, head_output, layer_norm, refuse, same
+from dpzero_jax.models.hf_mapping import Entry, dense, fused_qkv, layer_norm, refuse, same
 
 
 def config_from_hf(c: dict, model_type: str, scan_layers: bool | None = None,
@@ -39,15 +39,15 @@ def config_from_hf(c: dict, model_type: str, scan_layers: bool | None = None,
 
 def entries(c: BertConfig, prefix: str) -> list[Entry]:
     """The :class:`~dpzero_jax.models.hf_mapping.Entry` table of a model with config ``c``."""
-    d, heads, p = c.hidden_size, c.num_attention_heads, prefix
+    d, p = c.hidden_size, prefix
     out = [same("word_embeddings/embedding", f"{p}embeddings.word_embeddings.weight"),
            same("position_embeddings/embedding", f"{p}embeddings.position_embeddings.weight"),
            same("token_type_embeddings/embedding", f"{p}embeddings.token_type_embeddings.weight")]
     out += layer_norm("ln_embed", f"{p}embeddings.LayerNorm")
     for i in range(c.num_hidden_layers):
         h, o = f"{p}encoder.layer.{i}", f"layers/{i}"
-        out += fused_qkv(f"{o}/attn/c_attn", f"{h}.attention.self", d, heads)
-        out += head_output(f"{o}/attn/c_proj", f"{h}.attention.output.dense", d, heads)
+        out += fused_qkv(f"{o}/attn/c_attn", f"{h}.attention.self", d)
+        out += dense(f"{o}/attn/c_proj", f"{h}.attention.output.dense")
         out += layer_norm(f"{o}/ln_1", f"{h}.attention.output.LayerNorm")
         out += dense(f"{o}/mlp/c_fc", f"{h}.intermediate.dense") + dense(f"{o}/mlp/c_proj", f"{h}.output.dense")
         out += layer_norm(f"{o}/ln_2", f"{h}.output.LayerNorm")

@@ -1,14 +1,14 @@
 """Hugging Face GPT-2 checkpoints (``GPT2LMHeadModel``, ``GPT2Model``) <-> :class:`~dpzero_jax.models.GPT2`.
 
-``Conv1D`` weights are ``[in, out]`` already; ``c_attn`` ``[d, 3d]`` -> ``[d, 3, H, Dh]`` (q, k, v, then heads),
-``attn.c_proj`` ``[d, d]`` -> ``[H, Dh, d]``; the LM head is the word embedding when ``tie_word_embeddings`` (the
-default: one array, exported once), else ``lm_head.weight`` ``[V, d]`` transposed.
+``Conv1D`` weights are ``[in, out]``, as the kernels are (``c_attn`` ``[d, 3d]``: q, k, v, then heads); the LM
+head is the word embedding when ``tie_word_embeddings`` (the default: one array, exported once), else
+``lm_head.weight`` ``[V, d]`` transposed.
 """
 
 from __future__ import annotations
 
 from dpzero_jax.models.gpt2 import GELUS, GPT2Config
-from dpzero_jax.models.hf_mapping import Entry, blocks, layer_norm, refuse, reshaped, same, transposed
+from dpzero_jax.models.hf_mapping import Entry, blocks, layer_norm, refuse, same, transposed
 
 
 def config_from_hf(c: dict, model_type: str = "gpt2", scan_layers: bool | None = None,
@@ -30,11 +30,10 @@ def config_from_hf(c: dict, model_type: str = "gpt2", scan_layers: bool | None =
 
 def _block(c: GPT2Config, h: str, o: str) -> list[Entry]:
     """One block: checkpoint prefix ``h`` (``transformer.h.3``), parameter prefix ``o`` (``h/3``)."""
-    d, heads = c.n_embd, c.n_head
     return layer_norm(f"{o}/ln_1", f"{h}.ln_1") + layer_norm(f"{o}/ln_2", f"{h}.ln_2") + [
-        reshaped(f"{o}/attn/c_attn/kernel", f"{h}.attn.c_attn.weight", (d, 3, heads, d // heads), (d, 3 * d)),
-        reshaped(f"{o}/attn/c_attn/bias", f"{h}.attn.c_attn.bias", (3, heads, d // heads), (3 * d,)),
-        reshaped(f"{o}/attn/c_proj/kernel", f"{h}.attn.c_proj.weight", (heads, d // heads, d), (d, d)),
+        same(f"{o}/attn/c_attn/kernel", f"{h}.attn.c_attn.weight"),
+        same(f"{o}/attn/c_attn/bias", f"{h}.attn.c_attn.bias"),
+        same(f"{o}/attn/c_proj/kernel", f"{h}.attn.c_proj.weight"),
         same(f"{o}/attn/c_proj/bias", f"{h}.attn.c_proj.bias"),
         same(f"{o}/mlp/c_fc/kernel", f"{h}.mlp.c_fc.weight"),
         same(f"{o}/mlp/c_fc/bias", f"{h}.mlp.c_fc.bias"),

@@ -78,37 +78,24 @@ def layer_norm(path, name) -> list[Entry]:
     return [same(f"{path}/scale", f"{name}.weight"), same(f"{path}/bias", f"{name}.bias")]
 
 
-def reshaped(path, name, ours_shape, hf_shape) -> Entry:
-    """A tensor in the same memory order, reshaped (GPT-2's ``Conv1D`` weights)."""
-    return Entry(path, (name,), lambda a: a.reshape(ours_shape), lambda w: (w.reshape(hf_shape),))
-
-
-def fused_qkv(path, prefix, d, heads) -> list[Entry]:
-    """``query``, ``key``, ``value`` ``nn.Linear`` s -> one ``[d, 3, H, Dh]`` kernel and ``[3, H, Dh]`` bias."""
+def fused_qkv(path, prefix, d) -> list[Entry]:
+    """``query``, ``key``, ``value`` ``nn.Linear`` s -> one ``[d, 3d]`` kernel (their transposed weights side by side)
+    and ``[3d]`` bias."""
     names = tuple(f"{prefix}.{n}" for n in ("query", "key", "value"))
 
     def kernel(q, k, v):
-        return np.stack([q.T, k.T, v.T], axis=1).reshape(d, 3, heads, d // heads)
+        return np.concatenate([q.T, k.T, v.T], axis=1)
 
     def kernel_hf(w):
-        w = w.reshape(d, 3, d)
-        return tuple(np.ascontiguousarray(w[:, i].T) for i in range(3))
+        return tuple(np.ascontiguousarray(w[:, i * d:(i + 1) * d].T) for i in range(3))
 
     def bias(q, k, v):
-        return np.stack([q, k, v]).reshape(3, heads, d // heads)
+        return np.concatenate([q, k, v])
 
     def bias_hf(b):
-        b = b.reshape(3, d)
-        return tuple(b[i] for i in range(3))
+        return tuple(b[i * d:(i + 1) * d] for i in range(3))
     return [Entry(f"{path}/kernel", tuple(f"{n}.weight" for n in names), kernel, kernel_hf),
             Entry(f"{path}/bias", tuple(f"{n}.bias" for n in names), bias, bias_hf)]
-
-
-def head_output(path, name, d, heads) -> list[Entry]:
-    """An ``nn.Linear`` attention output ``[d, d]`` -> kernel ``[H, Dh, d]``, and its bias."""
-    return [Entry(f"{path}/kernel", (f"{name}.weight",), lambda w: w.T.reshape(heads, d // heads, d),
-                  lambda k: (np.ascontiguousarray(k.reshape(d, d).T),)),
-            same(f"{path}/bias", f"{name}.bias")]
 
 
 def stacked(layers: list[list[Entry]]) -> list[Entry]:

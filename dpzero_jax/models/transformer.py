@@ -1,7 +1,7 @@
 """A pre- or post-LayerNorm transformer block (shared by ViT, the encoder classifier, BERT and GPT-2).
 
-The encoders build it from Flax's own layers (:data:`FLAX_LAYERS`: ``nnx.LinearGeneral``, ``nnx.Linear``,
-``nnx.LayerNorm``), as a user writes a model; the engine plans them from the traced program. GPT-2 builds it from
+The encoders build it from Flax's own layers (:data:`FLAX_LAYERS`: ``nnx.Linear``, ``nnx.LayerNorm``), as a user
+writes a model; the engine plans them from the traced program. GPT-2 builds it from
 :mod:`dpzero_jax.nn` (:data:`DP_LAYERS`), planned from the layers' own calls: on this project's CPU overhead
 benchmark (GPT-2, ``experiments/bench_overhead.py``) that front-end's step is the faster of the two
 (``experiments/bench_front_ends.py``).
@@ -23,11 +23,6 @@ def _flax_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) 
     return nnx.Linear(in_features, out_features, dtype=dtype, rngs=rngs)
 
 
-def _flax_projection(in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype,
-                     rngs: nnx.Rngs) -> nnx.LinearGeneral:
-    return nnx.LinearGeneral(in_shape, out_shape, axis=tuple(range(-len(in_shape), 0)), dtype=dtype, rngs=rngs)
-
-
 def _flax_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
     # the two-pass variance, as transformers computes it (Flax's default E[x^2] - E[x]^2 differs at 1e-5)
     return nnx.LayerNorm(features, epsilon=eps, use_fast_variance=False, dtype=dtype, rngs=rngs)
@@ -37,28 +32,21 @@ def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) ->
     return nn.Linear(in_features, out_features, rngs=rngs)       # computes in its input's dtype
 
 
-def _dp_projection(in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, dtype,
-                   rngs: nnx.Rngs) -> nn.DenseGeneral:
-    return nn.DenseGeneral(in_shape, out_shape, rngs=rngs)
-
-
 def _dp_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nn.LayerNorm:
     return nn.LayerNorm(features, eps=eps)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSet:
-    """The layer constructors a block is built from: ``linear(in, out)``, ``projection(in_shape, out_shape)``
-    (contracting the trailing ``len(in_shape)`` axes) and ``norm(features, eps=...)``, each with ``dtype`` (the
-    compute dtype; ``None``: the weights') and ``rngs``."""
+    """The layer constructors a block is built from: ``linear(in, out)`` and ``norm(features, eps=...)``, each with
+    ``dtype`` (the compute dtype; ``None``: the weights') and ``rngs``."""
 
     linear: Callable
-    projection: Callable
     norm: Callable
 
 
-FLAX_LAYERS = LayerSet(_flax_linear, _flax_projection, _flax_norm)
-DP_LAYERS = LayerSet(_dp_linear, _dp_projection, _dp_norm)
+FLAX_LAYERS = LayerSet(_flax_linear, _flax_norm)
+DP_LAYERS = LayerSet(_dp_linear, _dp_norm)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, mask: jax.Array | None = None) -> jax.Array:
@@ -78,7 +66,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, mask: jax.
 class Attention(nnx.Module):
     """Multi-head self-attention ``[B, T, d] -> [B, T, d]``.
 
-    Fused QKV projection ``c_attn: [d] -> [3, H, Dh]``, output projection ``c_proj: [H, Dh] -> [d]``.
+    Fused QKV projection ``c_attn: [d] -> [3d]`` (query, key, value, each ``H`` heads of ``Dh``), output projection
+    ``c_proj: [d] -> [d]`` (the heads concatenated): 2-D kernels, as Hugging Face's GPT-2 keeps them. Kernels shaped
+    by heads (``[d, 3, H, Dh]``, ``[H, Dh, d]``) would put ``Dh`` in an array's two minor dimensions, which the TPU
+    lays out in tiles of 8 x 128 elements: with ``Dh = 64`` such a kernel's shard takes twice its bytes (GPT-2 XL's
+    ZeRO-3 model states measured 1.36x the parameters' bytes that way, ``docs/benchmarks/tpu_aot.md``).
     """
 
     def __init__(self, features: int, num_heads: int, *, causal: bool, rngs: nnx.Rngs,
@@ -86,13 +78,14 @@ class Attention(nnx.Module):
         if features % num_heads:
             raise ValueError(f"the width {features} is not divisible by the {num_heads} attention heads")
         self.num_heads, self.head_dim, self.causal = num_heads, features // num_heads, causal
-        self.c_attn = layers.projection((features,), (3, num_heads, self.head_dim), dtype=dtype, rngs=rngs)
-        self.c_proj = layers.projection((num_heads, self.head_dim), (features,), dtype=dtype, rngs=rngs)
+        self.c_attn = layers.linear(features, 3 * features, dtype=dtype, rngs=rngs)
+        self.c_proj = layers.linear(features, features, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """``mask``: optional ``[B, T]`` keys that may be attended to (padding is ``0``/``False``)."""
-        qkv = self.c_attn(x)                                   # [B, T, 3, H, Dh]
-        return self.c_proj(attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=self.causal, mask=mask))
+        qkv = self.c_attn(x).reshape(*x.shape[:-1], 3, self.num_heads, self.head_dim)     # [B, T, 3, H, Dh]
+        heads = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=self.causal, mask=mask)
+        return self.c_proj(heads.reshape(*heads.shape[:-2], -1))                          # [B, T, d]
 
 
 class MLP(nnx.Module):

@@ -1,15 +1,15 @@
 """Hugging Face ViT checkpoints (``ViTForImageClassification``, ``ViTModel``) <-> :class:`~dpzero_jax.models.ViT`.
 
-``nn.Linear`` weights are transposed, ``query`` / ``key`` / ``value`` stacked into one ``c_attn``; the patch
-convolution ``[d, C, P, P]`` becomes Flax's ``[P, P, C, d]``. A missing classifier, or one with another number of
-labels, is initialised afresh.
+``nn.Linear`` weights are transposed, ``query`` / ``key`` / ``value`` side by side in one ``c_attn`` ``[d, 3d]``;
+the patch convolution ``[d, C, P, P]`` becomes Flax's ``[P, P, C, d]``. A missing classifier, or one with another
+number of labels, is initialised afresh.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dpzero_jax.models.hf_mapping import Entry, dense, fused_qkv, head_output, layer_norm, refuse, same
+from dpzero_jax.models.hf_mapping import Entry, dense, fused_qkv, layer_norm, refuse, same
 from dpzero_jax.models.vit import ViTConfig
 
 # transformers' ViTConfig defaults
@@ -38,7 +38,7 @@ def config_from_hf(c: dict, model_type: str = "vit", scan_layers: bool | None = 
 
 def entries(c: ViTConfig, prefix: str = "vit.") -> list[Entry]:
     """The :class:`~dpzero_jax.models.hf_mapping.Entry` table of a model with config ``c``."""
-    d, heads, p = c.hidden_size, c.num_attention_heads, prefix
+    d, p = c.hidden_size, prefix
     out = [Entry("patch_embed/kernel", (f"{p}embeddings.patch_embeddings.projection.weight",),
                  lambda w: w.transpose(2, 3, 1, 0), lambda k: (np.ascontiguousarray(k.transpose(3, 2, 0, 1)),)),
            same("patch_embed/bias", f"{p}embeddings.patch_embeddings.projection.bias"),
@@ -47,8 +47,8 @@ def entries(c: ViTConfig, prefix: str = "vit.") -> list[Entry]:
     for i in range(c.num_hidden_layers):
         h, o = f"{p}encoder.layer.{i}", f"blocks/{i}"
         out += layer_norm(f"{o}/ln_1", f"{h}.layernorm_before")
-        out += fused_qkv(f"{o}/attn/c_attn", f"{h}.attention.attention", d, heads)
-        out += head_output(f"{o}/attn/c_proj", f"{h}.attention.output.dense", d, heads)
+        out += fused_qkv(f"{o}/attn/c_attn", f"{h}.attention.attention", d)
+        out += dense(f"{o}/attn/c_proj", f"{h}.attention.output.dense")
         out += layer_norm(f"{o}/ln_2", f"{h}.layernorm_after")
         out += dense(f"{o}/mlp/c_fc", f"{h}.intermediate.dense") + dense(f"{o}/mlp/c_proj", f"{h}.output.dense")
     out += layer_norm("ln", f"{p}layernorm") + dense("head", "classifier", head=True)
