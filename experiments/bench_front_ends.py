@@ -8,8 +8,8 @@ the non-private step (``jax.value_and_grad`` of the mean loss) of the same proce
 
 Default workload: W3 of ``bench_overhead.py`` (vocab 8192, untied head, 4 layers, width 256, 4 heads, T 128, B 16).
 
-``--model vit``: the bundled ViT (standard Flax layers: ``nnx.Conv`` patches, ``nnx.LinearGeneral`` /
-``nnx.Linear`` / ``nnx.LayerNorm``, a bare class token and position table; the program front-end) against the same
+``--model vit``: the bundled ViT (standard Flax layers: ``nnx.Conv`` patches, ``nnx.Linear`` /
+``nnx.LayerNorm``, a bare class token and position table; the program front-end) against the same
 ViT written here from ``dz.nn`` layers (:class:`DPLayerViT`: the layers front-end; and, as ``dz.nn program bk``,
 planned from its traced program), each against its own non-DP step (ViT-S-like: 32 x 32 images, patches 4, width
 128, 4 layers, B 32).
