@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpzero_jax.decoder_shapes import DecoderConfig, weights
+from dpzero_jax.shard_layout import shard_axis
 
 PHASES = ("always", "block backward", "LM head", "table gradient")
 
@@ -103,12 +104,8 @@ def head_gather(config: DecoderConfig, b: int, t: int, c: int, shards: int, repl
 
 
 def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
-    """Whether ``sharding.weight_spec`` shards the ``[V, d]`` embedding table along ``d`` on ``shards`` devices (the
-    largest dimension the shard count divides; ``V`` when both do and ``V >= d``)."""
-    if shards == 1:
-        return False
-    v, d = config.vocab, config.d_model
-    return d % shards == 0 and (v % shards != 0 or d > v)
+    """Whether ``sharding.weight_spec`` shards the ``[V, d]`` embedding table along ``d`` on ``shards`` devices."""
+    return shard_axis((config.vocab, config.d_model), shards) == 1
 
 
 def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, shards: int, compute_bytes: int,

@@ -18,8 +18,16 @@ BASE = dict(steps=4, batch_size=64, log_every=2, progress=False, plot=False, che
 
 
 @pytest.mark.parametrize("shape, fsdp, expected", [
-    ((64, 128), 4, P(None, "fsdp")),       # the largest divisible dimension
+    ((64, 128), 4, P("fsdp", None)),       # shards [16, 128] fill TPU lanes, [64, 32] would not
+    ((128, 64), 4, P(None, "fsdp")),       # [128, 16] fill them, [32, 64] would not
+    ((256, 128), 4, P("fsdp", None)),      # both fill them: the largest
+    ((64, 32), 4, P("fsdp", None)),        # neither does (a toy table): the largest
     ((128, 128), 4, P("fsdp", None)),      # ties: the first
+    # GPT-2 XL's stacked kernels on 64 devices (measured on v5e, docs/benchmarks/tpu_aot.md)
+    ((48, 1600, 6400), 64, P(None, "fsdp", None)),     # [48, 25, 6400], not [48, 1600, 100]
+    ((48, 6400, 1600), 64, P(None, None, "fsdp")),     # [48, 6400, 25], not [48, 100, 1600]
+    ((48, 1600, 4800), 64, P(None, None, "fsdp")),     # neither fills them: the largest
+    ((32000, 4096), 256, P("fsdp", None)),             # Llama's table: the vocabulary, as before
     ((128, 10), 8, P("fsdp", None)),
     ((30, 70), 4, P()),                    # nothing divisible
     ((128,), 8, P()),                      # below min_shard_elements
@@ -48,7 +56,7 @@ def test_zero_stage_layouts(zero):
     params = {"w": np.zeros((64, 128), np.float32), "b": np.zeros((128,), np.float32)}
     opt_state = ({"mu": params}, np.zeros((), np.int32))
     spec = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
-    sharded = {"w": P(None, "fsdp"), "b": P()}
+    sharded = {"w": P("fsdp", None), "b": P()}      # shards [16, 128] fill the TPU lanes (weight_spec)
     replicated = {"w": P(), "b": P()}
     assert spec(rules.params(params)) == (sharded if zero == 3 else replicated)
     assert spec(rules.grads(params)) == (sharded if zero >= 2 else replicated)
