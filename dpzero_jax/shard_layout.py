@@ -7,12 +7,11 @@ fills the 128 lanes is padded: GPT-2 XL's MLP kernel ``[48, 1600, 6400]`` on 64 
 dimension gives shards ``[48, 1600, 100]``, laid out ``1600`` minor and padded to ``1664``; split along ``1600``,
 ``[48, 25, 6400]``, nothing pads (``6400`` minor, ``48`` second-minor). Measured on v5e:16x16 (``docs/benchmarks/
 tpu_aot.md``): GPT-2 XL's ZeRO-3 model states take 1.028x their parameters' bytes, 1.054x when each weight is split
-on its largest dimension. Where every split
-keeps such a dimension (Llama's ``[32000, 4096]`` table on 256 devices: ``[125, 4096]`` or ``[32000, 16]``) or none
-does (toy widths), the largest is split, as the rule was before: a preference for the least padding alone would
-move a toy model's ``[64, 32]`` embedding table from its vocabulary split to ``d``, and the partitioner then moves
-the LM head's activations between devices (``tests/test_spmd.py``). Elsewhere than on TPU the choice
-costs nothing: any split dimension moves the same bytes.
+on its largest dimension. Where every split keeps such a dimension (Llama's ``[32000, 4096]`` table on 256 devices:
+``[125, 4096]`` or ``[32000, 16]``) or none does (toy widths), the largest is split, as the rule was before: a
+preference for the least padding alone would move a toy model's ``[64, 32]`` embedding table from its vocabulary
+split to ``d``, and the partitioner then moves the LM head's activations between devices (``tests/test_spmd.py``).
+Elsewhere than on TPU the choice costs nothing: any split dimension moves the same bytes.
 """
 
 from __future__ import annotations

@@ -12,11 +12,10 @@ Parameter rule (:func:`weight_spec`)
     A weight is split on ONE dimension over ``fsdp``: of its dimensions divisible by the ``fsdp`` size, preferably one
     whose shards keep a dimension that fills the TPU's 128 lanes (``[48, 1600, 6400]`` on 64 devices splits ``1600``:
     shards ``[48, 25, 6400]`` pad nothing, ``[48, 1600, 100]`` would pad ``1600`` to ``1664``;
-    :mod:`dpzero_jax.shard_layout`), then the largest, then the first. Tensors with
-    fewer than ``min_shard_elements`` elements (biases, norm scales) and tensors with no divisible dimension stay
-    replicated. The rule depends on the shape only, so optimizer-state leaves
-    (Adam's moments have their parameter's shape) follow their parameter by shape; scalar leaves (step counts) are
-    replicated.
+    :mod:`dpzero_jax.shard_layout`), then the largest, then the first. Tensors with fewer than ``min_shard_elements``
+    elements (biases, norm scales) and tensors with no divisible dimension stay replicated. The rule depends on the
+    shape only, so optimizer-state leaves (Adam's moments have their parameter's shape) follow their parameter by
+    shape; scalar leaves (step counts) are replicated.
 
 ZeRO stages (paper 000 §2.2; Rajbhandari et al.)
     ==========  ==================  =====================  =====================
@@ -85,7 +84,6 @@ from dpzero_jax.sketch import finite_zero
 __all__ = ["MeshShape", "ShardLayout", "ShardingRules", "explicit_apply", "explicit_gradient",
            "explicit_mean_gradient", "explicit_private_gradient", "ici_shape", "make_mesh", "parse_mesh",
            "slices_of", "weight_spec"]
-
 
 
 def _auto_mesh(devices: np.ndarray) -> Mesh:

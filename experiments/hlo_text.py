@@ -103,7 +103,7 @@ def _root(lines: list[str]) -> str | None:
 
 
 def _resolved(line: str | None, comps: dict[str, list[str]]) -> tuple[str, list[str], str | None]:
-    """``(opcode, operand lines, called computation)`` of ``line``; a fusion wrapping one instruction (``kLoop``
+    """``(opcode, operand names, called computation)`` of ``line``; a fusion wrapping one instruction (``kLoop``
     fusions of a compare or an add, as XLA:CPU prints loop counters) reads as that instruction, its operands the
     fusion's."""
     return_op, operands = _op(line or "")
@@ -186,7 +186,7 @@ def multiplicities(hlo_text: str) -> tuple[dict[str, int], list[str]]:
                         edges[name].append((callee, 1))
     order, seen = [], set()
 
-    def visit(name):            # post-order from the entry: callees after... reversed below
+    def visit(name):            # post-order from the entry: every callee before its callers (reversed below)
         seen.add(name)
         for callee, _ in edges[name]:
             if callee not in seen:

@@ -83,7 +83,7 @@ VARIANTS = ("nonprivate", "dp")
 EXTRA_VARIANTS = ("dp-layerwise",)
 # gspmd-nohint: the gspmd step traced without dpzero_jax.spmd.batch_sharded (what the partitioner does unhinted)
 STRATEGIES = ("gspmd", "explicit", "gspmd-nohint")
-MIN_SHARD_ELEMENTS = 1024   # sharding.DEFAULT_MIN_SHARD_ELEMENTS (not imported: this module starts without JAX)
+MIN_SHARD_ELEMENTS = 1024   # shard_layout.DEFAULT_MIN_SHARD_ELEMENTS (the library's sharding rule)
 
 
 @dataclasses.dataclass(frozen=True)
