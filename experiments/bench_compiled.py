@@ -89,13 +89,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hlo_text import (  # noqa: E402,F401  (a sibling module; re-exported: tpu_aot and the tests read them here)
-    COLLECTIVES,
-    _arrays,
-    collective_shapes,
-    large_buffers,
-    parse_collectives,
-)
+from hlo_text import collective_shapes, large_buffers, parse_collectives  # noqa: E402  (a sibling module)
 
 GIB = 1 << 30
 # per chip: (peak FLOP/s at bf16, HBM bytes/s, HBM bytes, ICI bytes/s); see the module docstring for the source

@@ -27,7 +27,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALL = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bcalls=%?([\w.\-]+)")
 
 
-def _arrays(shape_text: str) -> list[int]:
+def array_bytes(shape_text: str) -> list[int]:
     """Byte sizes of the arrays in an HLO shape (an array or a tuple of arrays)."""
     sizes = []
     for dtype, dims in _ARRAY.findall(shape_text):
@@ -220,7 +220,7 @@ def _counted_collectives(hlo_text: str) -> list[tuple[str | None, re.Match]]:
         if call and call.group(1).startswith("async-collective-done"):
             copies.add(call.group(2))
     found, computation = [], None
-    for line in lines:
+    for line in lines:   # lines outside any computation (a fragment of a module) count too, under None
         header = _COMPUTATION.match(line)
         if header:
             computation = header.group(1)
@@ -245,7 +245,7 @@ def parse_collectives(hlo_text: str, executed: bool = False) -> dict[str, dict[s
     out: dict[str, dict[str, int]] = {}
     for computation, match in _counted_collectives(hlo_text):
         shape_text, kind, start = match.groups()
-        sizes = _arrays(shape_text)
+        sizes = array_bytes(shape_text)
         if start and kind in ("all-gather", "all-to-all", "reduce-scatter") and len(sizes) >= 2:
             sizes = sizes[len(sizes) // 2:]
         elif start and kind == "collective-permute" and sizes:
@@ -290,6 +290,6 @@ def large_buffers(hlo_text: str, threshold_bytes: int) -> dict[str, int]:
         match = _OPCODE.match(line)
         if not match or match.group(2) in _NOT_MATERIALISED:
             continue
-        if max(_arrays(match.group(1)), default=0) >= threshold_bytes:
+        if max(array_bytes(match.group(1)), default=0) >= threshold_bytes:
             found[match.group(2)] = found.get(match.group(2), 0) + 1
     return found

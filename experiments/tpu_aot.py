@@ -64,16 +64,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_compiled import (  # noqa: E402  (a sibling script, imported without JAX)
     CHIPS,
     GIB,
-    _arrays,
     _is_oom,
-    collective_shapes,
     load,
-    parse_collectives,
     peak_bytes,
     require_libtpu,
     save,
 )
-from hlo_text import loop_trip_counts  # noqa: E402  (no JAX either)
+from hlo_text import array_bytes, collective_shapes, loop_trip_counts, parse_collectives  # noqa: E402
 from tpu_buffers import read_dump  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
@@ -154,7 +151,7 @@ def refusal(message: str) -> dict:
 def largest_collectives(hlo_text: str, count: int = 6) -> list[dict]:
     """The ``count`` collectives of an HLO module with the largest output buffers: ``{"op", "bytes"}`` (the op with
     its result shape, layouts dropped), largest first."""
-    found = [{"op": text[:300], "bytes": sum(_arrays(text.split(" ", 1)[1] if " " in text else ""))}
+    found = [{"op": text[:300], "bytes": sum(array_bytes(text.split(" ", 1)[1] if " " in text else ""))}
              for text in collective_shapes(hlo_text)]
     return sorted(found, key=lambda item: -item["bytes"])[:count]
 
