@@ -31,13 +31,14 @@ ZeRO partition (the mesh's ``fsdp`` axis):
 
 The DP step (``private_value_and_grad``, ghost clipping in two passes under remat) adds, measured the same way: the
 clipped-and-noised fp32 gradient shard kept next to the first pass's, ``4 ceil(Psi / F)``, and with a
-``d``-sharded table the clipped sum's whole fp32 table gradient in the table-gradient phase: ``4 V d`` more where
-the non-DP step already has that phase, ``3 x 4 V d`` where it has none. The ghost norms' ``T x T`` Grams of one
+``d``-sharded table the clipped sum's whole fp32 table gradient in the table-gradient phase: ``3 x 4 V d`` where the
+non-DP step has no such phase (no data axis); where it has one, nothing more -- the clipped sum takes the place of
+the lookup's gradient (GPT-2 XL on 256 chips: two whole fp32 tables at the peak of either step). The ghost norms' ``T x T`` Grams of one
 weight at a time are small next to these (``2 b T^2`` fp32).
 
 The multiplicities (two gathered copies, three fp32 tables, ...) are the buffers counted in the compiled programs
 of GPT-2 XL, GPT-J-6B and Llama-2-7B on 256 v5e chips, where the model is within 10% of the compiled bytes; on
-shapes it was not built from it measured 0.61-1.16 (``docs/planner.md``: the phases overlap in the compiled heap
+shapes it was not built from it measured 0.74-1.37 (``docs/planner.md``: the phases overlap in the compiled heap
 where this model takes their maximum, e.g. GPT-J's DP table gradients next to the gathered LM head).
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded: GPT-2 XL's 64-way shards
@@ -137,8 +138,8 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     terms.append(Term("DP: clipped + noised gradient shard", "always", 4 * -(-n_params // shards),
                       "4 ceil(Psi / F)"))
     terms.append(Term("DP: fp32 table gradient of the clipped sum", "table gradient",
-                      (4 * v * d if replicas > 1 else table) if d_sharded else 0,
-                      "4 V d (d-sharded table; 3 x 4 V d with no data axis)"))
+                      3 * 4 * v * d if d_sharded and replicas == 1 else 0,
+                      "3 x 4 V d (d-sharded table, no data axis; else in the non-DP step's table buffers)"))
     return tuple(terms)
 
 
