@@ -33,8 +33,8 @@ The DP step (``private_value_and_grad``, ghost clipping in two passes under rema
 clipped-and-noised fp32 gradient shard kept next to the first pass's, ``4 ceil(Psi / F)``, and with a
 ``d``-sharded table the clipped sum's whole fp32 table gradient in the table-gradient phase: ``3 x 4 V d`` where the
 non-DP step has no such phase (no data axis); where it has one, nothing more -- the clipped sum takes the place of
-the lookup's gradient (GPT-2 XL on 256 chips: two whole fp32 tables at the peak of either step). The ghost norms' ``T x T`` Grams of one
-weight at a time are small next to these (``2 b T^2`` fp32).
+the lookup's gradient (GPT-2 XL on 256 chips: two whole fp32 tables at the peak of either step). The ghost norms'
+``T x T`` Grams of one weight at a time are small next to these (``2 b T^2`` fp32).
 
 The multiplicities (two gathered copies, three fp32 tables, ...) are the buffers counted in the compiled programs
 of GPT-2 XL, GPT-J-6B and Llama-2-7B on 256 v5e chips, where the model is within 10% of the compiled bytes; on
