@@ -57,7 +57,7 @@ def test_planner_against_a_tpu_compiled_step(tmp_path):
     """Model states: the planner's ``optimizer state`` row (fp32 master + two moments, ``12 Psi / F``) is the
     compiled step's arguments (fp32 parameters + two moments; the batch, key and step counter add < 0.1%). Total
     (model states + temporaries [+ DP extra]) against arguments + temporaries: within 0.7-1.4, the planner's measured
-    accuracy on shapes it was not designed on (docs/planner.md: 0.70-1.37). This shape measured 1.16 non-DP and
+    accuracy on shapes it was not designed on (docs/planner.md: 0.74-1.37). This shape measured 1.16 non-DP and
     1.10 DP when it was first compiled (its predictions written down before), and 1.16 / 1.28 since the language-model
     loss stopped gathering the targets' logits (2026-11-27: the DP step lost 0.27 GiB the planner had matched by
     accident; the bound was 0.8-1.2 until then)."""
