@@ -138,7 +138,7 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     terms.append(Term("DP: clipped + noised gradient shard", "always", 4 * -(-n_params // shards),
                       "4 ceil(Psi / F)"))
     terms.append(Term("DP: fp32 table gradient of the clipped sum", "table gradient",
-                      3 * 4 * v * d if d_sharded and replicas == 1 else 0,
+                      table if replicas == 1 else 0,
                       "3 x 4 V d (d-sharded table, no data axis; else in the non-DP step's table buffers)"))
     return tuple(terms)
 

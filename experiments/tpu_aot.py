@@ -73,6 +73,8 @@ from bench_compiled import (  # noqa: E402  (a sibling script, imported without 
 from hlo_text import array_bytes, collective_shapes, loop_trip_counts, parse_collectives  # noqa: E402
 from tpu_buffers import read_dump  # noqa: E402
 
+from dpzero_jax.shard_layout import DEFAULT_MIN_SHARD_ELEMENTS  # noqa: E402  (JAX-free: the library's rule)
+
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
 VARIANTS = ("nonprivate", "dp")
 # not in the default run: layer-wise clipping with each layer of the scanned stack its own group
@@ -80,7 +82,6 @@ VARIANTS = ("nonprivate", "dp")
 EXTRA_VARIANTS = ("dp-layerwise",)
 # gspmd-nohint: the gspmd step traced without dpzero_jax.spmd.batch_sharded (what the partitioner does unhinted)
 STRATEGIES = ("gspmd", "explicit", "gspmd-nohint")
-MIN_SHARD_ELEMENTS = 1024   # shard_layout.DEFAULT_MIN_SHARD_ELEMENTS (the library's sharding rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,7 @@ CASES = {
 # ------------------------------------------------------------------------------------------------------------------
 # Pure parts (no JAX): mesh choice, refusals, collectives, table.
 
-def largest_fsdp(shapes, devices: int, min_shard_elements: int = MIN_SHARD_ELEMENTS) -> int:
+def largest_fsdp(shapes, devices: int, min_shard_elements: int = DEFAULT_MIN_SHARD_ELEMENTS) -> int:
     """The largest divisor ``f`` of ``devices`` such that every shape of at least ``min_shard_elements`` elements
     has a dimension divisible by ``f`` (so ``sharding.weight_spec`` shards every weight ``f`` ways, none is left
     replicated). ``shapes``: tuples of ints."""
