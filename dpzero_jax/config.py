@@ -13,7 +13,7 @@ from typing import Any
 
 from dpzero_jax import validation
 from dpzero_jax.clipping import CLIP_FUNCTIONS, GROUP_PRESETS, validate_groups
-from dpzero_jax.noise import NOISE_RNGS
+from dpzero_jax.noise import NOISE_RNG_OPTIONS
 from dpzero_jax.options import (
     INVALID,
     Check,
@@ -108,15 +108,16 @@ class DPConfig:
     norm_kernel: how weight norms (and clipped sums) are computed: ``"xla"`` (einsums that build the ``[B, T, T]``
         Grams or the ``[B, rows, cols]`` per-example gradients), ``"pallas"`` (the tiled kernels of
         ``dpzero_jax_kernels.ghost_norm``: neither buffer; the mixed rule then decides on operations) or ``"auto"``
-        (default: currently ``"xla"`` on every backend -- the kernels are only interpreted on CPU and not yet timed on
-        GPU/TPU).
+        (default: currently ``"xla"`` on every backend -- the kernels are only interpreted on CPU, were timed on a GPU
+        op by op but not inside a step, and not on a TPU).
     expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
     microbatch_size: examples per chunk in ``vmap`` and ``bk`` modes (``None``: the whole batch at once).
     gamma: the stability constant of automatic clipping.
-    noise_rng: ``"blocked"`` (default: XLA's fused bit generator, block by block in place; fastest on one device)
-        or ``"partitionable"`` (``jax.random``'s partitionable Threefry: every coordinate's noise depends only on the
-        key and its global index, so a sharded gradient is noised shard by shard, on its owner, and the noise is the
-        same on any number of devices). See :mod:`dpzero_jax.noise`.
+    noise_rng: ``"blocked"`` (XLA's fused bit generator, block by block in place; fastest on a CPU), ``"partitionable"``
+        (``jax.random``'s partitionable Threefry: every coordinate's noise depends only on the key and its global
+        index, so a sharded gradient is noised shard by shard, on its owner, and the noise is the same on any number
+        of devices; one fused computation per leaf, what a GPU or TPU needs) or ``"auto"`` (default: ``"blocked"``
+        when ``target`` is the CPU, else ``"partitionable"``). See :mod:`dpzero_jax.noise`.
     group_thresholds: explicit ``(R_1..R_M)`` instead of ``R / sqrt(M)``.
     front_end: where the plan comes from. ``"layers"``: the calls of ``dpzero_jax`` layers (every mode, ZeRO-3
         layer-by-layer gathering, RMM); ``"program"``: the traced program of any JAX model (flax.nnx, flax.linen,
@@ -154,7 +155,7 @@ class DPConfig:
     expected_batch_size: float | None = option(None, number().or_none())
     microbatch_size: int | None = option(None, MICROBATCH_SIZE)
     gamma: float = option(0.01, number())
-    noise_rng: str = option("blocked", choice(NOISE_RNGS))
+    noise_rng: str = option("auto", choice(NOISE_RNG_OPTIONS))
     group_thresholds: Sequence[float] | None = option(None, Check("a sequence of positive numbers",
                                                                    _accept_thresholds).or_none())
     front_end: str = option("auto", choice(FRONT_ENDS))

@@ -299,7 +299,7 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
         if clipped_sum_hook is not None:
             clipped_sum = clipped_sum_hook(clipped_sum, key, plan)
         grads = noise.privatize(clipped_sum, key, cfg.noise_multiplier, clipping.l2_sensitivity(plan.thresholds),
-                                divisor, cfg.noise_rng)
+                                divisor, noise.resolve_rng(cfg.noise_rng, cfg.target))
         if aux_of is not None:
             return (result.losses, aux_of(params, batch)), grads, stats
         return result.losses, grads, stats

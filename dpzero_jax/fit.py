@@ -123,7 +123,7 @@ class PrivateTrainer:
                  epsilon: float | None = None, delta: float = 1e-5, noise_multiplier: float | None = None,
                  accountant: str = "pld", allow_large_delta: bool = False, max_grad_norm: float = 1.0,
                  clip_fn: str = "abadi", groups: Any = "all-layer", mode: str = "auto", front_end: str = "auto",
-                 micro_batch_size: int | None = None, accumulation_steps: int = 1, noise_rng: str = "blocked",
+                 micro_batch_size: int | None = None, accumulation_steps: int = 1, noise_rng: str = "auto",
                  sampling: str | None = None, dataset_size: int | None = None, seed: int = 0, wrt: Any = None,
                  out=None, checkpoint_every: int | None = None, keep_checkpoints: int | None = None,
                  log_every: int = 10, callbacks: Sequence[Callable] = (), metric_writers: Sequence = (),
@@ -295,7 +295,7 @@ class PrivateTrainer:
 
         def finish(params, opt_state, grad_sum, noise_key, sensitivity):
             grads = noise.privatize(grad_sum, noise_key, cfg.noise_multiplier, sensitivity, cfg.expected_batch_size,
-                                    cfg.noise_rng)
+                                    noise.resolve_rng(cfg.noise_rng, cfg.target))
             return update(params, opt_state, grads)
 
         self._step = jax.jit(step, donate_argnums=(0, 1))

@@ -103,7 +103,7 @@ def _positive(name: str, value, allow_zero: bool = False) -> float:
 
 
 def gaussian_privatizer(noise_multiplier: float, l2_sensitivity: float, expected_batch_size: float,
-                        key: Array, *, noise_rng: str = "blocked") -> optax.GradientTransformation:
+                        key: Array, *, noise_rng: str = "auto") -> optax.GradientTransformation:
     """The Gaussian mechanism on a clipped gradient sum, as an ``optax.GradientTransformation``.
 
     ``update(grad_sum, state) -> ((grad_sum + std * N(0, I)) / expected_batch_size, state')`` leaf by leaf, with
@@ -119,9 +119,9 @@ def gaussian_privatizer(noise_multiplier: float, l2_sensitivity: float, expected
     ``||(R_1..R_M)||`` -- pass :attr:`ClippedGrad.l2_sensitivity` or the thresholds' norm; the noise is calibrated
     to it, so it must not be smaller than the clipping's. expected_batch_size: the divisor (the expected, not the
     realised, batch size: ``sampling_rate * N`` under Poisson sampling). key: a PRNG key (typed or raw ``uint32[2]``),
-    kept in the state; the state's ``count`` picks each update's key. noise_rng: ``"blocked"`` or
-    ``"partitionable"`` (:mod:`dpzero_jax.noise`). Shapes: updates are any pytree of float arrays; the output has
-    the same structure, shapes and dtypes.
+    kept in the state; the state's ``count`` picks each update's key. noise_rng: ``"blocked"``,
+    ``"partitionable"`` or ``"auto"`` (by ``jax.default_backend()``; :func:`dpzero_jax.noise.resolve_rng`).
+    Shapes: updates are any pytree of float arrays; the output has the same structure, shapes and dtypes.
 
     Accounting: every update is one application of the Gaussian mechanism with this ``noise_multiplier``; record it
     in a :class:`dpzero_jax.accounting.PrivacyLedger` (or use :func:`dpzero_jax.accounting.epsilon`).
@@ -129,8 +129,8 @@ def gaussian_privatizer(noise_multiplier: float, l2_sensitivity: float, expected
     noise_multiplier = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
     sensitivity = jnp.float32(_positive("l2_sensitivity", l2_sensitivity))
     expected_batch_size = _positive("expected_batch_size", expected_batch_size)
-    if noise_rng not in noise.NOISE_RNGS:
-        raise ValueError(f"gaussian_privatizer: noise_rng must be one of {noise.NOISE_RNGS}, got {noise_rng!r}")
+    if noise_rng not in noise.NOISE_RNG_OPTIONS:
+        raise ValueError(f"gaussian_privatizer: noise_rng must be one of {noise.NOISE_RNG_OPTIONS}, got {noise_rng!r}")
     if not (isinstance(key, jax.Array) and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
                                             or (key.dtype == jnp.uint32 and key.shape == (2,)))):
         raise ValueError(f"gaussian_privatizer: key must be a PRNG key (jax.random.key or PRNGKey), got "

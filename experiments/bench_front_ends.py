@@ -7,6 +7,10 @@ only difference is where the plan comes from. Per candidate: XLA compile time, `
 the non-private step (``jax.value_and_grad`` of the mean loss) of the same process.
 
 Default workload: W3 of ``bench_overhead.py`` (vocab 8192, untied head, 4 layers, width 256, 4 heads, T 128, B 16).
+The same GPT-2 written from Flax's own layers (:class:`FlaxLayersGPT2`: ``nnx.Embed``, ``nnx.Linear``,
+``nnx.LayerNorm``; rows ``flax ...``, against their own non-DP step) shows what a user's model of standard layers gets
+from the program front-end. ``--gpt2-small``: ``bench_overhead.py``'s GPT-2 small workload (vocab 50257, 12 layers,
+width 768, T 256, B 32, bfloat16 parameters; ``bk`` only), for a GPU.
 
 ``--model vit``: the bundled ViT (standard Flax layers: ``nnx.Conv`` patches, ``nnx.Linear`` /
 ``nnx.LayerNorm``, a bare class token and position table; the program front-end) against the same
@@ -19,6 +23,7 @@ Run::
     python experiments/bench_front_ends.py            # writes experiments/results/bench_front_ends_cpu.json
     python experiments/bench_front_ends.py --model vit   # writes experiments/results/bench_front_ends_vit_cpu.json
     python experiments/bench_front_ends.py --quick    # a tiny model (smoke test)
+    python experiments/bench_front_ends.py --gpt2-small   # on a GPU: writes bench_front_ends_gpu_gpt2small.json
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import dpzero_jax as dz  # noqa: E402
-from dpzero_jax.models.transformer import DP_LAYERS, Block  # noqa: E402
+from dpzero_jax.models.transformer import DP_LAYERS, FLAX_LAYERS, Block  # noqa: E402
 
 
 class DPLayerViT(nnx.Module):
@@ -69,25 +74,58 @@ class DPLayerViT(nnx.Module):
         return self.head(self.ln(x[:, 0]))
 
 
-def _gpt2_candidates(quick: bool):
-    """``({name: (fn, args, baseline name)}, title)`` for the bundled GPT-2 on both front ends."""
+class FlaxLayersGPT2(nnx.Module):
+    """:class:`dpzero_jax.models.GPT2`'s computation (untied head) from Flax's own layers (``nnx.Embed``,
+    ``nnx.Linear``, ``nnx.LayerNorm``), as a user writes it: ``input_ids [B, T] -> logits [B, T, vocab]``. Planned
+    from its traced program (the only front end such a model has)."""
+
+    def __init__(self, c: dz.models.GPT2Config, *, rngs: nnx.Rngs):
+        d = c.n_embd
+        self.wte = nnx.Embed(c.vocab_size, d, rngs=rngs)
+        self.wpe = nnx.Embed(c.n_positions, d, rngs=rngs)
+        self.h = nnx.List([Block(d, c.n_head, 4 * d, causal=True, approximate_gelu=True, eps=c.layer_norm_epsilon,
+                                 layers=FLAX_LAYERS, rngs=rngs) for _ in range(c.n_layer)])
+        self.ln_f = FLAX_LAYERS.norm(d, eps=c.layer_norm_epsilon, dtype=None, rngs=rngs)
+        self.lm_head = nnx.Linear(d, c.vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        x = self.wte(input_ids) + self.wpe(jnp.arange(input_ids.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _gpt2_candidates(quick: bool, gpt2_small: bool = False):
+    """``({name: (fn, args, baseline name)}, title)`` for the bundled GPT-2 on both front ends, and the same model
+    from Flax's layers (``flax ...``) against its own non-DP step."""
+    dtype = jnp.float32
     if quick:
         vocab, layers, width, heads, seq, batch_size = 64, 2, 32, 2, 16, 4
+    elif gpt2_small:   # bench_overhead.py's --gpt2-small workload (for a GPU)
+        vocab, layers, width, heads, seq, batch_size, dtype = 50257, 12, 768, 12, 256, 32, jnp.bfloat16
     else:
         vocab, layers, width, heads, seq, batch_size = 8192, 4, 256, 4, 128, 16
     config = dz.models.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=heads,
                                   tie_word_embeddings=False)
-    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(0)))
     batch = {"input_ids": jnp.asarray(np.random.default_rng(0).integers(0, vocab, (batch_size, seq)), jnp.int32)}
     key = jax.random.key(0)
-    candidates = {"non-DP": (jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(loss_fn(p, b)))), (params, batch),
-                             "non-DP")}
-    for front_end in ("layers", "program"):
-        for mode in ("bk", "ghost"):
-            cfg = dz.DPConfig(noise_multiplier=1.0, mode=mode, front_end=front_end, expected_batch_size=batch_size)
-            candidates[f"{front_end} {mode}"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)),
-                                                 (params, batch, key), "non-DP")
-    title = f"GPT-2 vocab {vocab}, {layers} layers, width {width}, T {seq}, B {batch_size} (untied head)"
+    modes = ("bk",) if gpt2_small else ("bk", "ghost")
+    candidates = {}
+    for label, model, front_ends in (("", dz.models.GPT2(config, rngs=nnx.Rngs(0)), ("layers", "program")),
+                                     ("flax ", FlaxLayersGPT2(config, rngs=nnx.Rngs(0)), ("program",))):
+        params, loss_fn = dz.models.lm_objective(model)
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+        base = f"{label}non-DP"
+        candidates[base] = (jax.jit(jax.value_and_grad(lambda p, b, f=loss_fn: jnp.mean(f(p, b)))), (params, batch),
+                            base)
+        for front_end in front_ends:
+            for mode in modes:
+                cfg = dz.DPConfig(noise_multiplier=1.0, mode=mode, front_end=front_end,
+                                  expected_batch_size=batch_size)
+                candidates[f"{label}{front_end} {mode}"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)),
+                                                            (params, batch, key), base)
+    title = (f"GPT-2 vocab {vocab}, {layers} layers, width {width}, T {seq}, B {batch_size} (untied head), "
+             f"{jnp.dtype(dtype).name} parameters")
     return candidates, title
 
 
@@ -160,6 +198,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--gpt2-small", action="store_true",
+                        help="GPT-2 small (vocab 50257, 12 layers, width 768, T 256, B 32, bfloat16; for a GPU)")
     parser.add_argument("--model", choices=("gpt2", "vit"), default="gpt2")
     parser.add_argument("--tpu", metavar="TOPOLOGY", default=None,
                         help="compile for a TPU slice (e.g. v5e:2x2; needs libtpu, no TPU): compiled sizes only, "
@@ -168,6 +208,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.tpu and args.model != "vit":
         parser.error("--tpu compiles the ViT comparison only (--model vit)")
+    if args.gpt2_small and (args.quick or args.model != "gpt2"):
+        parser.error("--gpt2-small is GPT-2's full-size workload: not with --quick or --model vit")
+    if args.model == "gpt2" and args.out == DEFAULT_OUT and (args.gpt2_small or jax.default_backend() != "cpu"):
+        args.out = DEFAULT_OUT.replace("_cpu", f"_{jax.default_backend()}{'_gpt2small' if args.gpt2_small else ''}")
     if args.model == "vit" and args.out == DEFAULT_OUT:
         suffix = f"vit_tpu_{args.tpu.replace(':', '_')}" if args.tpu else "vit_cpu"
         args.out = DEFAULT_OUT.replace("front_ends_cpu", f"front_ends_{suffix}")
@@ -182,7 +226,7 @@ def main(argv=None):
     elif args.model == "vit":
         candidates, title = _vit_candidates(args.quick)
     else:
-        candidates, title = _gpt2_candidates(args.quick)
+        candidates, title = _gpt2_candidates(args.quick, args.gpt2_small)
     rows, compiled = {}, {}
     print(title)
     for name, (fn, fn_args, _) in candidates.items():
@@ -203,7 +247,7 @@ def main(argv=None):
             start = time.perf_counter()
             jax.block_until_ready(compiled[name](*candidates[name][1]))
             times[name].append(time.perf_counter() - start)
-    print(f"{'candidate':<16} {'compile s':>9} {'x FLOPs':>8} {'x bytes':>8} {'x temp':>7} {'step ms':>9} "
+    print(f"{'candidate':<18} {'compile s':>9} {'x FLOPs':>8} {'x bytes':>8} {'x temp':>7} {'step ms':>9} "
           f"{'x step':>7}")
     for name, row in rows.items():
         base_name = candidates[name][2]
@@ -213,7 +257,7 @@ def main(argv=None):
         row["step_ratio"] = (statistics.median(t / b for t, b in zip(times[name], times[base_name])) if rounds
                              else None)
         step_ms, step_ratio = (1e3 * row["step_s"], row["step_ratio"]) if rounds else (float("nan"), float("nan"))
-        print(f"{name:<16} {row['compile_s']:>9.1f} {row['flops'] / base['flops']:>8.3f} "
+        print(f"{name:<18} {row['compile_s']:>9.1f} {row['flops'] / base['flops']:>8.3f} "
               f"{row['bytes'] / base['bytes']:>8.3f} {row['temp_bytes'] / base['temp_bytes']:>7.3f} "
               f"{step_ms:>9.1f} {step_ratio:>7.3f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -150,3 +150,37 @@ def test_blocked_noise_follows_its_documented_definition():
     out = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))(many)
     np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in out]),
                                0.5 * blocks(jax.random.fold_in(key, 3), 3 * (block // 2 + 1)), atol=1e-6)
+
+
+def test_auto_generator_is_blocked_on_cpu_and_partitionable_on_accelerators():
+    """``noise_rng="auto"`` (the default) resolves by the step's target: the blocked generator on a CPU, the
+    partitionable one on a GPU or TPU, where the blocked generator's loop runs block after block
+    (``docs/benchmarks/gpu.md``). Through the private gradient with ``target="gpu"``, leaf ``j``'s noise is
+    ``jax.random.normal(fold_in(key, j))`` (the reference draws it here), and on the CPU it is the blocked draw."""
+    from dpzero_jax import noise
+    assert noise.resolve_rng("auto", "cpu") == "blocked"
+    assert noise.resolve_rng("auto", "gpu") == noise.resolve_rng("auto", "tpu") == "partitionable"
+    assert noise.resolve_rng("auto") == "blocked"            # this suite runs on XLA:CPU
+    assert noise.resolve_rng("blocked", "gpu") == "blocked"
+    with pytest.raises(ValueError, match="noise rng must be one of"):
+        noise.resolve_rng("fastest")
+    with pytest.raises(ValueError, match="noise_rng"):
+        dz.DPConfig(noise_rng="fastest")
+    setup = wide_mlp()
+    key = jax.random.key(5)
+    cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0)
+
+    def noise_leaves(c):     # everything masked: the clipped sum is zero, the gradient is the noise / 4
+        _, grads, _ = private_fn(setup.loss_fn, c)(setup.params, setup.batch, key, jnp.zeros((B,), bool))
+        return [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+    on_gpu = noise_leaves(cfg.replace(target="gpu"))
+    for j, leaf in enumerate(on_gpu):
+        expected = np.asarray(jax.random.normal(jax.random.fold_in(key, j), leaf.shape, jnp.float32)) / 4.0
+        np.testing.assert_allclose(leaf, expected, rtol=1e-5, atol=1e-7)
+    on_cpu = noise_leaves(cfg)
+    expected_cpu = noise.add_noise_and_normalise([jnp.zeros(x.shape, jnp.float32) for x in on_cpu], key, 1.0, 4.0,
+                                                 "blocked")
+    for got, expected in zip(on_cpu, expected_cpu):
+        np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(on_cpu[0], on_gpu[0])

@@ -17,7 +17,8 @@ Ops (shapes as in :mod:`dpzero_jax_kernels.ghost_norm.reference`):
 
 :func:`resolve` maps the user-facing choice ``"auto" | "xla" | "pallas"`` (``DPConfig.norm_kernel``) to ``"xla"`` or
 ``"pallas"``: ``"auto"`` is ``"xla"`` on every backend for now. On CPU the kernels can only be interpreted (slow); on
-GPU and TPU this project has not measured them yet (no accelerator was available), and ``auto`` must pick the faster.
+an H200 the GPU kernels were timed once, op by op (1.05-1.37x faster than XLA at T >= 2048,
+``docs/benchmarks/gpu.md``), but not inside a step; on TPU not at all. ``auto`` must pick the faster.
 ``"pallas"`` is the choice when the ``[B, T, T]`` or ``[B, rows, cols]`` buffers are the memory peak.
 
 Gradients: ``pallas_call`` has no transpose rule, so every kernel call sits behind a ``jax.custom_vjp`` whose backward
