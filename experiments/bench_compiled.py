@@ -371,7 +371,7 @@ def make_step(candidate: str, graphdef, trainable, global_batch: int, mesh=None)
                                            out_specs=(P(axis), P()), check_vma=False)(params, rest, batch)
             std = dz.noise.noise_std(cfg.noise_multiplier, (cfg.max_grad_norm,))
             return losses, dz.noise.add_noise_and_normalise(summed, jax.random.key(seed), std, global_batch,
-                                                            cfg.noise_rng)
+                                                            dz.noise.resolve_rng(cfg.noise_rng, cfg.target))
         return step
 
     if candidate == "jax_privacy":
