@@ -70,7 +70,7 @@ def resolve_rng(rng: str, target: str | None = None) -> str:
 
     The blocked generator's loop over ``NOISE_BLOCK``-element blocks runs one block after another: on XLA:CPU each
     iteration is a fused loop over the block (about 3x faster than ``jax.random.normal``, no temporary), but on a GPU
-    every iteration is a handful of tiny kernels -- GPT-2 small's 163M coordinates are 2,500 iterations, measured on an
+    every iteration is a handful of tiny kernels -- GPT-2 small's 163M coordinates are 2,479 iterations, measured on an
     H200 at 1.3 s a step against 31 ms for the whole non-private step (``docs/benchmarks/gpu.md``). The partitionable
     generator is one elementwise computation per leaf, fused into the noised update. With
     ``jax_threefry_partitionable`` turned off, ``"auto"`` is ``"blocked"`` everywhere.

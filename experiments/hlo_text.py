@@ -1,5 +1,6 @@
 """Reading the optimised HLO text of a compiled program (``compiled.as_text()``): its collectives with their bytes,
-how often each runs in one step, and its large buffers.
+how often each runs in one step, the FLOPs of its matrix products per step (:func:`matmul_flops`), and its large
+buffers.
 
 Shared by the compiled-program benchmarks (``bench_compiled.py``, ``tpu_aot.py``); plain text parsing, no JAX.
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import math
 import re
+
+import numpy as np
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")
@@ -255,6 +258,88 @@ def parse_collectives(hlo_text: str, executed: bool = False) -> dict[str, dict[s
         entry["count"] += times
         entry["bytes"] += times * sum(sizes)
     return out
+
+
+_DIMS = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\w+\[([0-9,]*)\]")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=([\w?]+)_([\w?]+)->([\w?]+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _dims(line: str | None) -> list[int] | None:
+    """The dimensions of an instruction's (array) result, ``None`` for a tuple or an unknown name."""
+    match = _DIMS.match(line or "")
+    return None if match is None else [int(d) for d in match.group(1).split(",") if d]
+
+
+def _window_fields(line: str, rank: int) -> dict[str, list]:
+    """A convolution's ``window={size=.. stride=.. pad=lo_hi.. lhs_dilate=.. rhs_dilate=..}``, one entry per spatial
+    dimension (defaults: stride, dilations 1, padding 0)."""
+    fields = {"size": [1] * rank, "stride": [1] * rank, "pad": [(0, 0)] * rank, "lhs_dilate": [1] * rank,
+              "rhs_dilate": [1] * rank}
+    match = _WINDOW.search(line)
+    for item in (match.group(1).split() if match else []):
+        key, _, value = item.partition("=")
+        if key == "pad":
+            fields["pad"] = [tuple(int(v) for v in part.split("_")) for part in value.split("x")]
+        elif key in fields:
+            fields[key] = [int(v) for v in value.split("x")]
+    return fields
+
+
+def _valid_taps(out: int, size: int, stride: int, pad_lo: int, base: int, base_dilate: int, dilate: int) -> int:
+    """How many (output position, window tap) pairs of one spatial dimension land on an input element, not on padding
+    or on a hole of a base-dilated input (the TPU compiler writes batched matrix products as such convolutions:
+    a window over the batch axis, padded or dilated so that one tap per position is real)."""
+    position = (np.arange(out)[:, None] * stride + np.arange(size)[None, :] * dilate - pad_lo)
+    dilated = (base - 1) * base_dilate + 1
+    return int(np.count_nonzero((position >= 0) & (position < dilated) & (position % base_dilate == 0)))
+
+
+def _matmul_flops(line: str, defs: dict[str, str]) -> int:
+    """``2 x`` the multiply-adds of a ``dot`` or ``convolution`` instruction (0 for any other line or an operand
+    whose shape is not in ``defs``). A dot: output elements times the contracted elements. A convolution: output
+    batch x output features x the kernel's input features (of one group) x, per spatial dimension, the (output
+    position, window tap) pairs that read a real input element (:func:`_valid_taps`)."""
+    opcode, operands = _op(line)
+    out = _dims(line)
+    if opcode not in ("dot", "convolution") or out is None or len(operands) < 2:
+        return 0
+    if opcode == "dot":
+        lhs, match = _dims(defs.get(operands[0])), _CONTRACTING.search(line)
+        if lhs is None or match is None:
+            return 0
+        return 2 * math.prod(out) * math.prod(lhs[int(d)] for d in match.group(1).split(",") if d)
+    lhs, rhs, match = _dims(defs.get(operands[0])), _dims(defs.get(operands[1])), _DIM_LABELS.search(line)
+    if lhs is None or rhs is None or match is None:
+        return 0
+    lhs_labels, rhs_labels, out_labels = match.groups()
+    if not (len(lhs_labels) == len(lhs) and len(rhs_labels) == len(rhs) and len(out_labels) == len(out)):
+        return 0
+    spatial = sorted(label for label in out_labels if label.isdigit())
+    window = _window_fields(line, len(spatial))
+    taps = 1
+    for d, label in enumerate(spatial):
+        taps *= _valid_taps(out[out_labels.index(label)], window["size"][d], window["stride"][d],
+                            window["pad"][d][0], lhs[lhs_labels.index(label)], window["lhs_dilate"][d],
+                            window["rhs_dilate"][d])
+    return 2 * out[out_labels.index("b")] * out[out_labels.index("f")] * rhs[rhs_labels.index("i")] * taps
+
+
+def matmul_flops(hlo_text: str, executed: bool = True) -> int:
+    """The FLOPs of the module's matrix products (``dot`` and ``convolution`` instructions, fused or not: ``2 * output
+    elements * contracted elements``; elementwise work is not counted). ``executed=True``: each instruction times the
+    runs of its computation in one call of the program (:func:`multiplicities`: a scanned layer's products once per
+    layer), unlike ``cost_analysis()``, which counts a loop body once; ``False``: every instruction once."""
+    comps, _ = computations(hlo_text)
+    runs = multiplicities(hlo_text)[0] if executed else {}
+    total = 0
+    for name, lines in comps.items():
+        times = runs.get(name, 0) if executed else 1
+        if times:
+            defs = _definitions(lines)
+            total += times * sum(_matmul_flops(line, defs) for line in lines)
+    return total
 
 
 def loop_trip_counts(hlo_text: str) -> list[int | None]:

@@ -32,7 +32,9 @@ compiler's buffer assignment, read from its ``--xla_dump_to`` files as ``tpu_buf
 FLOPs, every collective of the optimised HLO (kind, count, bytes) and the largest ones by shape. Collectives twice:
 as the program text holds them (static: one in the layer scan's body counted once) and per executed step (each
 times the trip counts of the loops around it, read from the loops' conditions: ``hlo_text.multiplicities``; the
-trip counts are recorded). ``cost_analysis()``'s FLOPs are static: a loop body's once. A point the
+trip counts are recorded). ``cost_analysis()``'s FLOPs are static: a loop body's once; the matrix products' FLOPs
+per executed step are also read from the HLO (``hlo_text.matmul_flops``: ``dot`` and ``convolution``
+instructions, each times its computation's runs; elementwise work not counted). A point the
 compiler refuses (a program larger than the chip's HBM) is recorded with the compiler's message and the used /
 available bytes it states; ``--topology`` (e.g. ``v5p:4x4x8``: 95 GB chips) recompiles the same step where it fits.
 The Pallas TPU kernels of ``dpzero_jax_kernels.ghost_norm`` are compiled (Mosaic, not interpreted) at GPT-2 XL widths
@@ -70,7 +72,7 @@ from bench_compiled import (  # noqa: E402  (a sibling script, imported without 
     require_libtpu,
     save,
 )
-from hlo_text import array_bytes, collective_shapes, loop_trip_counts, parse_collectives  # noqa: E402
+from hlo_text import array_bytes, collective_shapes, loop_trip_counts, matmul_flops, parse_collectives  # noqa: E402
 from tpu_buffers import read_dump  # noqa: E402
 
 from dpzero_jax.shard_layout import DEFAULT_MIN_SHARD_ELEMENTS  # noqa: E402  (JAX-free: the library's rule)
@@ -166,8 +168,8 @@ def table(points: dict) -> str:
     DP against the same case's non-private step (temp and collective-bytes ratios)."""
     lines = ["| case | topology | mesh | strategy | step | temp GiB | args GiB | out GiB | TFLOPs (static) | "
              "collectives, static (count, MB) | DP/non-DP temp | DP/non-DP coll. bytes, static | collective GB per "
-             "step | DP/non-DP coll. bytes per step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step | DP/non-DP coll. bytes per step | matmul TFLOPs per step | DP/non-DP matmul FLOPs per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(points):
         r = points[key]
         case, strategy, variant = key.split("/")
@@ -175,7 +177,7 @@ def table(points: dict) -> str:
         head = f"| {case} | {r.get('topology', '-')} | {r.get('mesh', '-')} | {strategy} | {variant} |"
         if "failed" in r:
             used = (f" (needs {_gib(r['used_bytes'])} of {_gib(r['hbm_bytes'])} GiB)" if "used_bytes" in r else "")
-            lines.append(head + f" {r['failed']}{used}: {r['message'][:120]} |" + " |" * 8)
+            lines.append(head + f" {r['failed']}{used}: {r['message'][:120]} |" + " |" * 10)
             continue
         colls = ", ".join(f"{k} {v['count']}, {v['bytes'] / 1e6:.0f}" for k, v in sorted(r["collectives"].items()))
         ratio_temp = ratio_coll = ratio_step = "-"
@@ -186,9 +188,12 @@ def table(points: dict) -> str:
             if per_step is not None and base.get("collective_bytes_per_step"):
                 ratio_step = f"{per_step / base['collective_bytes_per_step']:.2f}x"
         step_gb = "-" if per_step is None else f"{per_step / 1e9:.1f}"
+        mm, mm_base = r.get("matmul_flops_per_step"), base.get("matmul_flops_per_step")
+        mm_tf = "-" if mm is None else f"{mm / 1e12:.1f}"
+        ratio_mm = f"{mm / mm_base:.2f}x" if mm and mm_base and variant != "nonprivate" else "-"
         lines.append(head + f" {_gib(r['temp_bytes'])} | {_gib(r['argument_bytes'])} | {_gib(r['output_bytes'])} "
                      f"| {r['flops'] / 1e12:.1f} | {colls or '-'} | {ratio_temp} | {ratio_coll} | {step_gb} "
-                     f"| {ratio_step} |")
+                     f"| {ratio_step} | {mm_tf} | {ratio_mm} |")
     return "\n".join(lines)
 
 
@@ -374,6 +379,7 @@ def measure(case: Case, variant: str, strategy: str, remat: str, dump: str | Non
         "output_bytes": int(memory.output_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
         "flops": float(cost.get("flops", 0.0)),
+        "matmul_flops_per_step": matmul_flops(hlo),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "collectives": collectives,
         "collective_bytes": int(sum(c["bytes"] for c in collectives.values())),

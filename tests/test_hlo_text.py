@@ -154,3 +154,33 @@ def test_tpu_style_loop_read_from_its_condition():
     assert hlo.loop_trip_counts(text.replace("constant(0)", "constant(2)")) == [46]
     assert hlo.loop_trip_counts(text.replace("%one = s32[]{:T(128)} constant(1)",
                                              "%one = s32[]{:T(128)} constant(2)")) == [None]
+
+
+@pytest.mark.parametrize("annotated", [True, False], ids=["known-trip-count", "from-the-condition"])
+def test_matmul_flops_count_a_scanned_layer_once_per_layer(annotated):
+    """The gradient of L scanned ``h @ W_l`` layers (B x d by d x d) does three such products per layer (forward,
+    input cotangent, weight gradient): ``3 * 2 B d^2 L`` FLOPs executed; the static text holds each product once. A
+    convolution contracts its kernel's window and input features: ``2 * output elements * kh * kw * c_in`` without
+    padding; with "SAME" padding only the taps on the image count (a 3-tap window over 8 positions: 8 * 3 - 2 = 22
+    real taps per spatial axis)."""
+    batch, width, layers = 4, 16, 5
+
+    def loss(x, w):
+        return jax.lax.scan(lambda h, w_l: (jnp.tanh(h @ w_l), None), x, w)[0].sum()
+
+    text = jax.jit(jax.grad(loss, argnums=1)).lower(jnp.ones((batch, width)),
+                                                     jnp.ones((layers, width, width))).compile().as_text()
+    if not annotated:
+        text = _without_known_trip_counts(text)
+    assert hlo.matmul_flops(text) == 3 * 2 * batch * width * width * layers
+    assert hlo.matmul_flops(text, executed=False) == 3 * 2 * batch * width * width
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    text = jax.jit(conv).lower(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 5))).compile().as_text()
+    assert hlo.matmul_flops(text) == 2 * (2 * 6 * 6 * 5) * (3 * 3 * 3)
+
+    def same_conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    text = jax.jit(same_conv).lower(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 5))).compile().as_text()
+    assert hlo.matmul_flops(text) == 2 * 2 * 5 * 3 * (8 * 3 - 2) ** 2
