@@ -34,8 +34,10 @@ def test_bench_front_ends_quick_writes_its_table(tmp_path):
     out = tmp_path / "front_ends.json"
     bench_front_ends.main(["--quick", "--rounds", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"non-DP", "layers bk", "layers ghost", "program bk", "program ghost"}
+    assert set(rows) == {"non-DP", "layers bk", "layers ghost", "program bk", "program ghost",
+                         "flax non-DP", "flax program bk", "flax program ghost"}
     assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
+    assert {row["baseline"] for name, row in rows.items() if name.startswith("flax")} == {"flax non-DP"}
 
 
 @pytest.mark.slow

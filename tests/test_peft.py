@@ -120,7 +120,9 @@ CASES = [
     ("mlp", "linear-probe", "fused", "automatic", "layer-wise", {}),
     ("vit", "lora", "bk", "abadi", "all-layer", {}),
     ("vit", "lora", "ghost", "automatic", "param-wise", {"norm_method": "ghost"}),
-    ("vit", "lora", "fused", "global", "layer-wise", {}),
+    # floor 1e-5 of the leaf's largest entry: on an AMD EPYC host one adapter entry of ~3e-4 differed from the
+    # float64 reference by 1.5e-7 (1.7e-6 of the leaf's largest, float32 rounding of a sum with cancellation)
+    ("vit", "lora", "fused", "global", "layer-wise", {"floor": 1e-5}),
     ("vit", "bitfit", "bk", "global", "all-layer", {}),
     ("vit", "bitfit", "ghost", "abadi", "layer-wise", {}),
     ("vit", "bitfit", "fused", "automatic", "param-wise", {}),
