@@ -99,7 +99,7 @@ def test_clipped_grad_sum_and_sensitivity_bound(setup, clip_fn, mode):
         np.testing.assert_allclose(contribution_norms[clipped_in_both], bound, rtol=1e-5)
     assert out.stats.norms.shape == (B, 2) and out.stats.clip_factors.shape == (B, 2)
     assert int(out.stats.num_included) == B and int(out.stats.num_nonfinite) == 0
-    np.testing.assert_allclose(out.losses, loss_fn(params, batch), rtol=1e-6)
+    np.testing.assert_allclose(out.losses, loss_fn(params, batch), rtol=1e-5)   # jitted against eager: float32 order
     # add/remove adjacency directly: dropping any one example moves the sum by at most the sensitivity
     for j in range(B):
         removed = fn(params, batch, jnp.arange(B) != j)
@@ -113,17 +113,17 @@ def test_has_aux_returns_aux_unchanged(setup):
     params, batch = setup
     cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=0.5, mode="bk")
     out = jax.jit(dz.clipped_grad(loss_with_aux, cfg, has_aux=True))(params, batch)
-    np.testing.assert_allclose(out.aux["logits"], logits_of(params, batch["x"], plain_dense), rtol=1e-6)
+    np.testing.assert_allclose(out.aux["logits"], logits_of(params, batch["x"], plain_dense), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out.aux["note"], np.arange(3))
     plain = dz.clipped_grad(loss_fn, cfg)(params, batch)
     for a, b in zip(jax.tree.leaves(out.grad_sum), jax.tree.leaves(plain.grad_sum)):   # jitted vs eager
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     key = jax.random.key(3)
     (losses, aux), grads, _ = dz.private_value_and_grad(loss_with_aux, cfg.replace(noise_multiplier=1.0),
                                                         has_aux=True)(params, batch, key)
     _, grads_plain, _ = dz.private_value_and_grad(loss_fn, cfg.replace(noise_multiplier=1.0))(params, batch, key)
-    np.testing.assert_allclose(losses, loss_fn(params, batch), rtol=1e-6)
-    np.testing.assert_allclose(aux["logits"], out.aux["logits"], rtol=1e-6)
+    np.testing.assert_allclose(losses, loss_fn(params, batch), rtol=1e-5)
+    np.testing.assert_allclose(aux["logits"], out.aux["logits"], rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_plain)):
         np.testing.assert_array_equal(a, b)
 
