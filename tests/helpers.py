@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -177,3 +179,12 @@ def check_private(setup: Setup, *, clip_fn: str, groups, mode: str, mask=None, i
     assert int(stats.num_included) == int(np.sum(keep))
     assert int(stats.num_nonfinite) == nonfinite
     return stats
+
+
+def subprocess_env(devices: int | None = None) -> dict[str, str]:
+    """The environment for a ``python -m dpzero_jax`` subprocess: this one's, with conftest's 8-device flag removed
+    from ``XLA_FLAGS`` (its other flags kept) and, with ``devices``, that many virtual CPU devices instead."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    if devices is not None:
+        flags += f" --xla_force_host_platform_device_count={devices}"
+    return {**os.environ, "XLA_FLAGS": flags}

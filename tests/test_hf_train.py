@@ -2,6 +2,7 @@
 
 import json
 
+import helpers
 import hf_helpers
 import jax
 import jax.numpy as jnp
@@ -225,8 +226,6 @@ def test_bad_hf_options_get_clear_errors(tmp_path, capsys):
 @pytest.mark.slow
 def test_two_processes_fine_tune_and_export_like_one(tmp_path):
     """2 processes x 2 CPU devices (gloo) train, evaluate and export a GPT-2 exactly as 1 process x 4 devices."""
-    import os
-    import re
     import socket
     import subprocess
     import sys
@@ -239,8 +238,7 @@ def test_two_processes_fine_tune_and_export_like_one(tmp_path):
     flags = ["train", "--model", f"hf:{tmp_path / 'gpt2'}", "--task", "causal-lm", "--data", str(corpus),
              "--max-length", "32", "--mesh", "fsdp=4", "--batch-size", "32", "--noise-multiplier", "1.0",
              "--steps", "4", "--log-every", "1", "--eval-every", "2", *FAST]
-    env = {**os.environ, "XLA_FLAGS": re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                                             os.environ.get("XLA_FLAGS", ""))}   # conftest's other flags kept
+    env = helpers.subprocess_env()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -250,7 +248,7 @@ def test_two_processes_fine_tune_and_export_like_one(tmp_path):
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:]
-    four = {**env, "XLA_FLAGS": env["XLA_FLAGS"] + " --xla_force_host_platform_device_count=4"}
+    four = helpers.subprocess_env(devices=4)
     one = subprocess.run([sys.executable, "-m", "dpzero_jax", *flags, "--out", str(tmp_path / "one"), "--export",
                           str(tmp_path / "one_export")], env=four, capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]

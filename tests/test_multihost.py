@@ -2,13 +2,12 @@
 devices, and a checkpoint written collectively by the 2 processes resumed by 1 process."""
 
 import json
-import os
-import re
 import socket
 import subprocess
 import sys
 
 import damage
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -34,8 +33,7 @@ def _losses(out):
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_processes")
-    env = {**os.environ, "XLA_FLAGS": re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                                             os.environ.get("XLA_FLAGS", ""))}   # each process: 2 devices, not 8
+    env = helpers.subprocess_env()   # each process requests its own 2 devices, not the tests' 8
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "dpzero_jax", "train", *FLAGS, "--steps", "4", "--out", str(out),
                                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
