@@ -96,16 +96,20 @@ def resolve_target(cfg: DPConfig) -> DPConfig:
     """``cfg`` with its target-dependent ``"auto"`` settings made concrete for ``cfg.target`` (``None``:
     ``jax.default_backend()``): ``norm_method`` and ``norm_kernel``; ``mode`` is :func:`choose_mode`'s.
 
-    ``norm_method="auto"`` is ``"fastest"`` for a TPU and ``"mixed"`` elsewhere. Compiled for a v5e slice
+    ``norm_method="auto"`` is ``"fastest"`` for a TPU and a CPU, ``"mixed"`` for a GPU. Compiled for a v5e slice
     (``experiments/bench_compiled.py``, GPT-2 small, T 1024, 8 examples per chip, tied table), the time rule
     instantiates the long-sequence weights and the tied table and reuses them for the clipped sum: temporaries
     1.25x the non-private step's, FLOPs 1.00x, bytes accessed 1.25x, against 1.42x / 1.35x / 1.39x for the space
-    rule. On the CPU the space rule is what the overhead benchmarks were tuned with; on GPUs nothing was measured.
+    rule. On the CPU (``experiments/bench_overhead.py``, W1-W3) the time rule takes the book-keeping step from
+    1.03-1.07x to 0.93-0.95x the non-private one where sequences are long against the widths (W2, W3; W1 picks the
+    same forms either way), for up to 1.1x the space rule's temporaries. On GPUs the time rule was not measured, and
+    the space rule keeps the per-example buffers small where device memory is the limit; ``"mixed"`` is the choice
+    on a CPU too when memory is (the instantiated per-example gradients are ``B x`` their weights).
     """
     target = cfg.target or jax.default_backend()
     method = cfg.norm_method
     if method == "auto":
-        method = "fastest" if target == "tpu" else "mixed"
+        method = "mixed" if target == "gpu" else "fastest"
     return cfg.replace(norm_method=method, norm_kernel=ghost_norm.resolve(cfg.norm_kernel, target))
 
 

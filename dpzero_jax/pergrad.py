@@ -202,15 +202,22 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") 
     rows_times_cols = math.prod(uses[0].shape)
     if kernel == "pallas" and not any(u.left_is_ids for u in uses):
         return total_positions * (uses[0].rows + uses[0].cols) < 2 * rows_times_cols
-    if method == "fastest":
-        dense_positions = sum(u.positions for u in uses if not u.left_is_ids)
-        if not dense_positions:   # embeddings only: the left Gram is an equality test
-            return 2 * total_positions**2 < rows_times_cols
+    dense_positions = sum(u.positions for u in uses if not u.left_is_ids)
+    return shape_rule(method, total_positions, dense_positions, uses[0].rows, uses[0].cols)
+
+
+def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int) -> bool:
+    """Ghost (``True``) or instantiation by ``"mixed"`` / ``"fastest"`` (:func:`use_ghost`, XLA kernels) for a
+    ``[rows, cols]`` parameter used at ``positions`` positions per example, ``dense_positions`` of them by dense
+    (not embedding) uses."""
+    if method in ("ghost", "instantiate"):
+        return method == "ghost"
+    if method == "fastest" and dense_positions:
         # right Grams for every pair of uses, left Grams as contractions only between dense uses (an embedding's
         # left Gram is an equality test or a gather)
-        ghost_cost = total_positions**2 * uses[0].cols + dense_positions**2 * uses[0].rows
-        return ghost_cost < INSTANTIATION_COST * rows_times_cols
-    return 2 * total_positions**2 < rows_times_cols
+        ghost_cost = positions**2 * cols + dense_positions**2 * rows
+        return ghost_cost < INSTANTIATION_COST * rows * cols
+    return 2 * positions**2 < rows * cols    # the space rule (also "fastest" for embeddings only)
 
 
 def _concat_positions(arrays: Sequence[Array]) -> Array:

@@ -344,7 +344,7 @@ def test_mixed_rule_branches(case, monkeypatch):
         np.testing.assert_allclose(norms(branch, mode), expected, rtol=1e-5)
         with pytest.raises(AssertionError, match="called for a weight"):
             norms(other, mode)
-    stats = check_private(setup, clip_fn="abadi", groups="param-wise", mode="fused")
+    stats = check_private(setup, clip_fn="abadi", groups="param-wise", mode="fused", norm_method="mixed")
     np.testing.assert_allclose(stats.norms[:, list(ref.paths(setup.params)).index("kernel")], kernel_norms, rtol=1e-5)
 
 

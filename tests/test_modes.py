@@ -210,8 +210,8 @@ def test_choose_mode_and_autotune_return_exact_concrete_modes():
 def test_auto_settings_resolve_for_the_target():
     resolve = dz.engine.resolve_target
     assert resolve(dz.DPConfig(target="tpu")).norm_method == "fastest"
-    assert resolve(dz.DPConfig(target="cpu")).norm_method == "mixed"
+    assert resolve(dz.DPConfig(target="cpu")).norm_method == "fastest"
     assert resolve(dz.DPConfig(target="gpu")).norm_method == "mixed"
     assert resolve(dz.DPConfig(target="tpu", norm_method="ghost")).norm_method == "ghost"   # explicit: kept
-    assert resolve(dz.DPConfig()).norm_method == ("fastest" if jax.default_backend() == "tpu" else "mixed")
+    assert resolve(dz.DPConfig()).norm_method == ("mixed" if jax.default_backend() == "gpu" else "fastest")
     assert resolve(dz.DPConfig(target="tpu")).norm_kernel == "xla"

@@ -377,3 +377,39 @@ def test_fastest_rule_in_explain_ghost_and_bk():
         for mode in ("bk", "ghost"):
             check_private(setup, clip_fn="abadi", groups="all-layer", mode=mode, norm_method=method,
                           front_end="program")
+
+
+class _DPLayersDense(nnx.Module):
+    """``tanh(x @ w).mean(T) @ head`` from ``dz.nn`` layers (the layers front-end)."""
+
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.w = dz.nn.Linear(width, width, use_bias=False, rngs=rngs)
+        self.head = dz.nn.Linear(width, 3, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.w(x)).mean(1))
+
+
+def test_fastest_rule_in_explain_on_the_layers_front_end():
+    """The same ``[128, 128]`` weight at T 64 in a ``dz.nn.Linear``: ``explain_plan`` reports ghost under the space
+    rule and instantiation under the FLOP rule (the hand counts of the test above), and its per-example bytes; the
+    layers front-end's book-keeping is exact under both."""
+    width, length = 128, 64
+    model = _DPLayersDense(width, rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(13)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        logits = nnx.merge(graphdef, p)(b["x"])
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][:, None], 1)[:, 0]
+
+    setup = Setup("dz-dense", params, loss_fn, batch, ())
+    for method, expected in (("mixed", "ghost"), ("fastest", "instantiate")):
+        report = dz.explain_plan(loss_fn, dz.DPConfig(norm_method=method), params, batch)
+        rows = {r["path"]: r for r in report.rows}
+        assert report.front_end == "layers"
+        assert rows["w/kernel"]["method"] == expected, method
+        assert rows["w/kernel"]["per_example_bytes"] == 4 * (length ** 2 if expected == "ghost" else width * width)
+        check_private(setup, clip_fn="abadi", groups="all-layer", mode="bk", norm_method=method)
