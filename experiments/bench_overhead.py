@@ -62,6 +62,8 @@ How to run
     python experiments/bench_overhead.py                        # W1, W2, W3 (10-25 minutes on a 2-core CPU)
     python experiments/bench_overhead.py --workloads W1 --modes auto,bk --rounds 11
     python experiments/bench_overhead.py --gpt2-small           # on a GPU
+    python experiments/bench_overhead.py --layers flax --modes auto   # GPT-2 from Flax's layers (program front-end)
+    python experiments/bench_overhead.py --norm-method mixed   # another per-layer norm rule for every DP candidate
 
 Results go to ``--out`` (default ``experiments/results/bench_overhead_<backend>.json``; ``_quick`` /
 ``_gpt2small`` are appended for the presets).
@@ -112,10 +114,14 @@ class Workload:
     batch_size: int
     vocab_size: int = 8192
     dtype: str = "float32"
+    layers: str = "dz.nn"          # "dz.nn": the bundled GPT2; "flax": the same model from Flax's own layers
+    norm_method: str = "auto"      # DPConfig.norm_method of every DP candidate
 
     def describe(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in (("layers", self.layers), ("norm_method", self.norm_method))
+                        if v != Workload.__dataclass_fields__[k].default)
         return (f"{self.name}: n_layer={self.n_layer} n_embd={self.n_embd} n_head={self.n_head} T={self.seq_len} "
-                f"B={self.batch_size} vocab={self.vocab_size} (untied head) params={self.dtype}")
+                f"B={self.batch_size} vocab={self.vocab_size} (untied head) params={self.dtype}{extra}")
 
 
 WORKLOADS = {
@@ -154,8 +160,8 @@ class Candidate:
     result: dict = dataclasses.field(default_factory=dict)
 
 
-def dp_config(name: str, batch_size: int) -> dz.DPConfig:
-    common = dict(noise_multiplier=1.0, max_grad_norm=1.0, clip_fn="abadi")
+def dp_config(name: str, batch_size: int, norm_method: str = "auto") -> dz.DPConfig:
+    common = dict(noise_multiplier=1.0, max_grad_norm=1.0, clip_fn="abadi", norm_method=norm_method)
     if name in ("auto", "bk", "ghost"):
         return dz.DPConfig(**common, groups="all-layer", mode=name)
     if name == "fused":
@@ -169,7 +175,7 @@ def describe_config(cfg: dz.DPConfig) -> str:
     return f"mode={cfg.mode}, groups={cfg.groups}{extra}"
 
 
-def make_steps(loss_fn, optimizer, names: list[str], batch_size: int) -> list[Candidate]:
+def make_steps(loss_fn, optimizer, names: list[str], batch_size: int, norm_method: str = "auto") -> list[Candidate]:
     def non_dp_step(params, opt_state, batch, key):
         del key  # same signature as the DP steps
         loss, grads = jax.value_and_grad(lambda p: jnp.mean(loss_fn(p, batch)))(params)
@@ -188,7 +194,7 @@ def make_steps(loss_fn, optimizer, names: list[str], batch_size: int) -> list[Ca
 
     candidates = [Candidate(BASELINE, "jax.value_and_grad(mean loss)", non_dp_step)]
     for name in names:
-        cfg = dp_config(name, batch_size)
+        cfg = dp_config(name, batch_size, norm_method)
         candidates.append(Candidate(name, describe_config(cfg), dp_step(cfg), cfg))
     return candidates
 
@@ -273,7 +279,12 @@ def make_workload(workload: Workload, seed: int = 0):
     config = dz.models.GPT2Config(vocab_size=workload.vocab_size, n_positions=workload.seq_len,
                                   n_embd=workload.n_embd, n_layer=workload.n_layer, n_head=workload.n_head,
                                   tie_word_embeddings=False)
-    model = dz.models.GPT2(config, rngs=nnx.Rngs(seed))
+    if workload.layers == "flax":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_front_ends import FlaxLayersGPT2  # the same computation from nnx.Embed / Linear / LayerNorm
+        model = FlaxLayersGPT2(config, rngs=nnx.Rngs(seed))
+    else:
+        model = dz.models.GPT2(config, rngs=nnx.Rngs(seed))
     params, loss_fn = dz.models.lm_objective(model)
     ids = jax.random.randint(jax.random.key(seed + 1), (workload.batch_size, workload.seq_len), 0,
                              workload.vocab_size, dtype=jnp.int32)
@@ -307,7 +318,7 @@ def bench_workload(workload: Workload, names: list[str], rounds: int, warmup: in
     if workload.batch_size == 4 and "vmap-mb4" in names and "vmap-mbB" in names:
         names = [n for n in names if n != "vmap-mb4"]
         notes.append("vmap-mb4 skipped: B = 4, so it is vmap-mbB")
-    candidates = make_steps(loss_fn, optimizer, names, workload.batch_size)
+    candidates = make_steps(loss_fn, optimizer, names, workload.batch_size, workload.norm_method)
 
     dtype = workload.dtype
     if dtype != "float32":
@@ -506,6 +517,11 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="one tiny workload: a smoke test")
     parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small, T=256, B=32, bf16 (for a GPU)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype override")
+    parser.add_argument("--layers", choices=("dz.nn", "flax"), default="dz.nn",
+                        help="the bundled GPT2 (dz.nn layers: the layers front-end) or the same model from Flax's own "
+                             "layers (experiments/bench_front_ends.py's FlaxLayersGPT2: the traced-program front-end)")
+    parser.add_argument("--norm-method", default="auto", choices=("auto", "mixed", "fastest", "ghost", "instantiate"),
+                        help="DPConfig.norm_method of every DP candidate (default auto: the backend's rule)")
     parser.add_argument("--no-donate", dest="donate", action="store_false",
                         help="do not donate params and optimizer state (applies to every candidate)")
     parser.add_argument("--out", default=None, help="JSON output path")
@@ -533,6 +549,7 @@ def parse_args(argv=None):
         args.workloads = [WORKLOADS[w] for w in names]
     if args.dtype:
         args.workloads = [dataclasses.replace(w, dtype=args.dtype) for w in args.workloads]
+    args.workloads = [dataclasses.replace(w, layers=args.layers, norm_method=args.norm_method) for w in args.workloads]
     if args.warmup < 1:
         parser.error("--warmup must be >= 1")
     return args
