@@ -100,9 +100,10 @@ def resolve_target(cfg: DPConfig) -> DPConfig:
     (``experiments/bench_compiled.py``, GPT-2 small, T 1024, 8 examples per chip, tied table), the time rule
     instantiates the long-sequence weights and the tied table and reuses them for the clipped sum: temporaries
     1.25x the non-private step's, FLOPs 1.00x, bytes accessed 1.25x, against 1.42x / 1.35x / 1.39x for the space
-    rule. On the CPU (``experiments/bench_overhead.py``, W1-W3) the time rule takes the book-keeping step from
-    1.03-1.07x to 0.93-0.95x the non-private one where sequences are long against the widths (W2, W3; W1 picks the
-    same forms either way), for up to 1.1x the space rule's temporaries. On GPUs the time rule was not measured, and
+    rule. On the CPU (``experiments/bench_overhead.py``'s W2 and W3, where sequences are long against the widths; W1
+    picks the same forms under both rules) it takes book-keeping's gradient from 0.99-1.01x to 0.88-0.92x the
+    non-private one on the layers front-end and from 1.03-1.07x to 0.93-0.95x on the program front-end (GPT-2 from
+    Flax layers), for up to 1.1x the space rule's temporaries. On GPUs the time rule was not measured, and
     the space rule keeps the per-example buffers small where device memory is the limit; ``"mixed"`` is the choice
     on a CPU too when memory is (the instantiated per-example gradients are ``B x`` their weights).
     """
