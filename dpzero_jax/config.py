@@ -104,7 +104,8 @@ class DPConfig:
     norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``: the space rule of paper 000), ``"fastest"``
         (ghost iff it takes fewer operations than instantiating and reusing the per-example gradient),
         ``"ghost"``, ``"instantiate"`` or ``"auto"`` (default): ``"fastest"`` when the step is compiled for a TPU
-        or a CPU (``target``), ``"mixed"`` for a GPU (see :func:`dpzero_jax.engine.resolve_target`).
+        (``target``) and for book-keeping on a CPU, ``"mixed"`` otherwise (see
+        :func:`dpzero_jax.engine.resolve_target`).
     norm_kernel: how weight norms (and clipped sums) are computed: ``"xla"`` (einsums that build the ``[B, T, T]``
         Grams or the ``[B, rows, cols]`` per-example gradients), ``"pallas"`` (the tiled kernels of
         ``dpzero_jax_kernels.ghost_norm``: neither buffer; the mixed rule then decides on operations) or ``"auto"``

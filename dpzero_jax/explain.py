@@ -88,7 +88,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
     report, per trainable parameter, how its per-example gradient and norm are obtained."""
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
-    cfg = engine.resolve_target(cfg)
+    requested, cfg = cfg, engine.resolve_target(cfg)
     plan = engine.make_plan(loss_fn, cfg, params, batch, require_supported=False)
     if cfg.mode == "vmap":
         rows = [{"path": p, "rule": "vmap", "method": "instantiate", "per_example_bytes": 4 * math.prod(np.shape(x)),
@@ -101,6 +101,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
         mode = program_mode.concrete_mode(cfg, program_plan)
+        cfg = engine.resolve_target(requested, mode).replace(mode=mode)
         rows = program_mode.explain(program_plan, params, cfg)
         if mode == "fused":   # groups that are not local to one site are book-kept in the fused pass: say why
             from dpzero_jax.program import fused as program_fused
@@ -111,4 +112,6 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
                 if reason:
                     row["why"] = "; ".join(filter(None, (row["why"], f"book-kept in the fused pass: {reason}")))
         return PlanReport("program", mode, tuple(rows))
-    return PlanReport("layers", engine.choose_mode(cfg, plan).mode, tuple(_layer_rows(plan, params, cfg)))
+    mode = engine.choose_mode(cfg, plan).mode
+    cfg = engine.resolve_target(requested, mode).replace(mode=mode)
+    return PlanReport("layers", mode, tuple(_layer_rows(plan, params, cfg)))

@@ -211,6 +211,11 @@ def test_auto_settings_resolve_for_the_target():
     resolve = dz.engine.resolve_target
     assert resolve(dz.DPConfig(target="tpu")).norm_method == "fastest"
     assert resolve(dz.DPConfig(target="cpu")).norm_method == "fastest"
+    # the time rule counts an instantiated gradient as reused for the clipped sum (book-keeping: yes; ghost, fused: no)
+    assert resolve(dz.DPConfig(target="cpu", mode="ghost")).norm_method == "mixed"
+    assert resolve(dz.DPConfig(target="cpu"), "fused").norm_method == "mixed"
+    assert resolve(dz.DPConfig(target="cpu", mode="ghost"), "bk").norm_method == "fastest"
+    assert resolve(dz.DPConfig(target="tpu", mode="ghost")).norm_method == "fastest"
     assert resolve(dz.DPConfig(target="gpu")).norm_method == "mixed"
     assert resolve(dz.DPConfig(target="tpu", norm_method="ghost")).norm_method == "ghost"   # explicit: kept
     assert resolve(dz.DPConfig()).norm_method == ("mixed" if jax.default_backend() == "gpu" else "fastest")

@@ -413,3 +413,7 @@ def test_fastest_rule_in_explain_on_the_layers_front_end():
         assert rows["w/kernel"]["method"] == expected, method
         assert rows["w/kernel"]["per_example_bytes"] == 4 * (length ** 2 if expected == "ghost" else width * width)
         check_private(setup, clip_fn="abadi", groups="all-layer", mode="bk", norm_method=method)
+    # norm_method="auto" on a CPU: the time rule for book-keeping, the space rule for ghost (no reuse to count)
+    for mode, expected in (("auto", "instantiate"), ("bk", "instantiate"), ("ghost", "ghost")):
+        report = dz.explain_plan(loss_fn, dz.DPConfig(mode=mode, target="cpu"), params, batch)
+        assert {r["path"]: r["method"] for r in report.rows}["w/kernel"] == expected, mode
