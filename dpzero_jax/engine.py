@@ -120,6 +120,11 @@ def resolve_target(cfg: DPConfig, mode: str | None = None) -> DPConfig:
     return cfg.replace(norm_method=method, norm_kernel=ghost_norm.resolve(cfg.norm_kernel, target))
 
 
+def resolve_for_mode(requested: DPConfig, mode: str) -> DPConfig:
+    """``requested`` (the user's config) with its concrete ``mode`` and the target settings for that mode."""
+    return resolve_target(requested, mode).replace(mode=mode)
+
+
 def _check_mask(mask, batch_size):
     if mask is None:
         return jnp.ones((batch_size,), bool)
@@ -212,11 +217,9 @@ def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=
             raise ValueError("thresholds given at call time (adaptive clipping) are not supported with "
                              "DPConfig.scan_groups='per-iteration'")
         program_plan = _with_thresholds(program_plan, thresholds)
-        mode = program_mode.concrete_mode(cfg, program_plan)
-        concrete = resolve_target(requested, mode).replace(mode=mode)
+        concrete = resolve_for_mode(requested, program_mode.concrete_mode(cfg, program_plan))
         return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask, layout)
-    concrete = choose_mode(cfg, plan)
-    concrete = concrete.replace(norm_method=resolve_target(requested, concrete.mode).norm_method)
+    concrete = resolve_for_mode(requested, choose_mode(cfg, plan).mode)
     return plan, concrete, MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
 
 

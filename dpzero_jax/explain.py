@@ -101,7 +101,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
         mode = program_mode.concrete_mode(cfg, program_plan)
-        cfg = engine.resolve_target(requested, mode).replace(mode=mode)
+        cfg = engine.resolve_for_mode(requested, mode)
         rows = program_mode.explain(program_plan, params, cfg)
         if mode == "fused":   # groups that are not local to one site are book-kept in the fused pass: say why
             from dpzero_jax.program import fused as program_fused
@@ -112,6 +112,5 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
                 if reason:
                     row["why"] = "; ".join(filter(None, (row["why"], f"book-kept in the fused pass: {reason}")))
         return PlanReport("program", mode, tuple(rows))
-    mode = engine.choose_mode(cfg, plan).mode
-    cfg = engine.resolve_target(requested, mode).replace(mode=mode)
-    return PlanReport("layers", mode, tuple(_layer_rows(plan, params, cfg)))
+    cfg = engine.resolve_for_mode(requested, engine.choose_mode(cfg, plan).mode)
+    return PlanReport("layers", cfg.mode, tuple(_layer_rows(plan, params, cfg)))

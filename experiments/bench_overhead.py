@@ -280,7 +280,9 @@ def make_workload(workload: Workload, seed: int = 0):
                                   n_embd=workload.n_embd, n_layer=workload.n_layer, n_head=workload.n_head,
                                   tie_word_embeddings=False)
     if workload.layers == "flax":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        here = os.path.dirname(os.path.abspath(__file__))
+        if here not in sys.path:
+            sys.path.insert(0, here)
         from bench_front_ends import FlaxLayersGPT2  # the same computation from nnx.Embed / Linear / LayerNorm
         model = FlaxLayersGPT2(config, rngs=nnx.Rngs(seed))
     else:
