@@ -68,13 +68,8 @@ def squared_norm(site, method: str, w, ops, g):
         if pergrad.space_rule(method, ids.shape[0], math.prod(table)):
             return jnp.sum((ids[:, None] == ids[None, :]) * (right @ right.T))
         return jnp.sum(jnp.square(jnp.zeros((table[0], right.shape[1]), jnp.float32).at[ids].add(right)))
-    _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops), w)
-    (view_grad,) = pullback(g)
     base_shape = site.view.chain[0].invars[0].aval.shape if site.view.chain else w.shape
-    _, to_base = jax.vjp(lambda b: sites_lib.replay_chain(site, b, skip_casts=True).astype(jnp.float32),
-                         jnp.zeros(base_shape, jnp.float32))
-    (leaf_grad,) = to_base(view_grad.astype(jnp.float32))
-    return jnp.sum(jnp.square(leaf_grad))
+    return jnp.sum(jnp.square(sites_lib.base_grad(site, w, ops, g, base_shape)))
 
 
 def _data_cotangents(site, w, ops, g):

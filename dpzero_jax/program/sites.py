@@ -64,15 +64,81 @@ def _vmap_n(fn, n: int, in_axes):
     return fn
 
 
-def replay_chain(site: Site, base, skip_casts: bool = False):
+def replay_chain(site: Site, base, skip_casts: bool = False, upto: int | None = None):
     """The view (the site's parameter operand) from the leaf, or from its per-iteration slice. ``skip_casts``:
-    leave dtype conversions out (mapping a float32 gradient back without rounding it to a half-precision view)."""
+    leave dtype conversions out (mapping a float32 gradient back without rounding it to a half-precision view);
+    ``upto``: replay only the chain's first ``upto`` equations."""
     value = base
-    for eqn in site.view.chain:
+    for eqn in site.view.chain[:upto]:
         if skip_casts and eqn.primitive.name == "convert_element_type":
             continue
         (value,) = bind(eqn, [value] + [v.val for v in eqn.invars[1:]])
     return value
+
+
+def scale_grad(site: Site, ops, g):
+    """``(gradient, upto)`` when the site multiplies data by the view: one example's float32 gradient of the
+    chain's value after its first ``upto`` equations (the view, or the operand of a ``broadcast_in_dim`` that ends
+    the chain), for the scale of a norm layer, a layer scale, a gate; else None.
+
+    The product's axes where the view (or what is broadcast) has size one while the output does not are summed.
+    Written as one ``dot_general`` of ``g`` and the data: the VJP gives the same values as a product reduced over
+    those axes, which XLA:CPU fuses into one kernel that runs 10-40x slower than the contraction when the arrays
+    have a unit axis -- as every per-example array here does (the example's batch axis of one): 56 ms against
+    1.8 ms for the scale of a LayerNorm on ``[16, 1, 512, 512]`` (``B, 1, T, d``)."""
+    if site.eqn.primitive.name != "mul" or len(site.recorded) != 1:
+        return None
+    other = ops[0]
+    out, view = tuple(g.shape), tuple(site.eqn.invars[site.param_operand].aval.shape)
+    chain, upto, target = site.view.chain, None, view
+    if not view:   # a scalar times the data
+        view = (1,) * len(out)
+    if not jnp.issubdtype(other.dtype, jnp.inexact) or other.ndim != len(out) or len(view) != len(out):
+        return None
+    if chain and chain[-1].primitive.name == "broadcast_in_dim":   # what is broadcast, in the output's rank
+        cast = chain[-1]
+        target, upto = tuple(cast.invars[0].aval.shape), -1
+        view = [1] * len(out)
+        for j, d in enumerate(cast.params["broadcast_dimensions"]):
+            if target[j] == out[d]:
+                view[d] = out[d]
+    if any(v not in (1, n) for v, n in zip(view, out)) or any(o not in (1, n) for o, n in zip(other.shape, out)):
+        return None
+    summed = [i for i, n in enumerate(out) if n > 1 and view[i] == 1]
+    if not summed:
+        return None
+    g_alone = tuple(i for i in summed if other.shape[i] == 1)    # summed where the data is broadcast too
+    if g_alone:
+        g = jnp.sum(g, axis=g_alone, keepdims=True)
+    axes = [i for i, n in enumerate(out) if n > 1 and i not in g_alone]
+    g_axes, o_axes = axes, [i for i in axes if other.shape[i] > 1]
+    g = g.reshape([out[i] for i in g_axes])
+    other = other.astype(g.dtype).reshape([out[i] for i in o_axes])
+    batch = [i for i in axes if view[i] > 1 and i in o_axes]
+    contract = [i for i in axes if view[i] == 1]
+    free = [i for i in axes if view[i] > 1 and i not in o_axes]
+    grad = jax.lax.dot_general(g, other, (([g_axes.index(i) for i in contract], [o_axes.index(i) for i in contract]),
+                                          ([g_axes.index(i) for i in batch], [o_axes.index(i) for i in batch])),
+                               preferred_element_type=jnp.float32)
+    order = batch + free                  # dot_general's output axes
+    kept = sorted(order)
+    grad = jnp.transpose(grad, [order.index(i) for i in kept]) if order != kept else grad
+    return grad.reshape(target), upto
+
+
+def base_grad(site: Site, w, ops, g, base_shape):
+    """One example's float32 gradient of the chain's base (the leaf or its per-iteration slice, ``base_shape``)
+    through the site with output gradient ``g``, casts left out (the view ``w`` as evaluated)."""
+    def to_base(view_grad, upto=None):
+        _, pullback = jax.vjp(lambda b: replay_chain(site, b, skip_casts=True, upto=upto).astype(jnp.float32),
+                              jnp.zeros(base_shape, jnp.float32))
+        return pullback(view_grad.astype(jnp.float32))[0]
+
+    scaled = scale_grad(site, ops, g)
+    if scaled is not None:
+        return to_base(*scaled)
+    _, pullback = jax.vjp(lambda w_: apply_site(site, w_, ops), w)
+    return to_base(pullback(g)[0])
 
 
 def _dot_factors(site: Site, data, g):
@@ -264,11 +330,18 @@ def local_grad(site: Site, operands, g, leaf):
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
 
     def one(ops, g_, leaf_slice):
+        g_ = g_.astype(site.out_aval.dtype)
+        scaled = scale_grad(site, ops, g_)
+        if scaled is not None:
+            grad, upto = scaled
+            value, pullback = jax.vjp(lambda base: replay_chain(site, base, upto=upto), leaf_slice)
+            return pullback(grad.astype(value.dtype))[0].astype(jnp.float32)
+
         def through(base):
             return apply_site(site, replay_chain(site, base), ops)
 
         _, pullback = jax.vjp(through, leaf_slice)
-        return pullback(g_.astype(site.out_aval.dtype))[0].astype(jnp.float32)
+        return pullback(g_)[0].astype(jnp.float32)
 
     fn = one
     for level in reversed(levels):
