@@ -1,16 +1,16 @@
-"""The two front ends on the same model: the bundled GPT-2 (``dz.nn`` layers) planned from its layer calls
-(``front_end="layers"``) and from its traced program (``front_end="program"``).
+"""The two front ends on the same model: GPT-2 from ``dz.nn`` layers planned from its layer calls
+(``front_end="layers"``) and from its traced program (``front_end="program"``), and the bundled GPT-2 (Flax's own
+layers: ``nnx.Embed``, ``nnx.Linear``, ``nnx.LayerNorm``, as a user writes a model; the program front-end, the only
+one such a model has), each against its own non-DP step.
 
-Same loss, same batch, same config (``noise_multiplier=1``, ``groups="all-layer"``, ``norm_method="mixed"``); the
+Same loss, same batch, same config (``noise_multiplier=1``, ``groups="all-layer"``, ``norm_method="auto"``); the
 only difference is where the plan comes from. Per candidate: XLA compile time, ``cost_analysis()`` FLOPs and bytes,
 ``memory_analysis()`` temporary bytes, and the median step time over ``--rounds`` interleaved rounds, all against
 the non-private step (``jax.value_and_grad`` of the mean loss) of the same process.
 
 Default workload: W3 of ``bench_overhead.py`` (vocab 8192, untied head, 4 layers, width 256, 4 heads, T 128, B 16).
-The same GPT-2 written from Flax's own layers (:class:`FlaxLayersGPT2`: ``nnx.Embed``, ``nnx.Linear``,
-``nnx.LayerNorm``; rows ``flax ...``, against their own non-DP step) shows what a user's model of standard layers gets
-from the program front-end. ``--gpt2-small``: ``bench_overhead.py``'s GPT-2 small workload (vocab 50257, 12 layers,
-width 768, T 256, B 32, bfloat16 parameters; ``bk`` only), for a GPU.
+``--gpt2-small``: ``bench_overhead.py``'s GPT-2 small workload (vocab 50257, 12 layers, width 768, T 256, B 32,
+bfloat16 parameters; ``bk`` only), for a GPU.
 
 ``--model vit``: the bundled ViT (standard Flax layers: ``nnx.Conv`` patches, ``nnx.Linear`` /
 ``nnx.LayerNorm``, a bare class token and position table; the program front-end) against the same
@@ -47,7 +47,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import dpzero_jax as dz  # noqa: E402
-from dpzero_jax.models.transformer import DP_LAYERS, FLAX_LAYERS, Block  # noqa: E402
+from dpzero_jax.models.transformer import DP_LAYERS, Block  # noqa: E402
 
 
 class DPLayerViT(nnx.Module):
@@ -74,30 +74,9 @@ class DPLayerViT(nnx.Module):
         return self.head(self.ln(x[:, 0]))
 
 
-class FlaxLayersGPT2(nnx.Module):
-    """:class:`dpzero_jax.models.GPT2`'s computation (untied head) from Flax's own layers (``nnx.Embed``,
-    ``nnx.Linear``, ``nnx.LayerNorm``), as a user writes it: ``input_ids [B, T] -> logits [B, T, vocab]``. Planned
-    from its traced program (the only front end such a model has)."""
-
-    def __init__(self, c: dz.models.GPT2Config, *, rngs: nnx.Rngs):
-        d = c.n_embd
-        self.wte = nnx.Embed(c.vocab_size, d, rngs=rngs)
-        self.wpe = nnx.Embed(c.n_positions, d, rngs=rngs)
-        self.h = nnx.List([Block(d, c.n_head, 4 * d, causal=True, approximate_gelu=True, eps=c.layer_norm_epsilon,
-                                 layers=FLAX_LAYERS, rngs=rngs) for _ in range(c.n_layer)])
-        self.ln_f = FLAX_LAYERS.norm(d, eps=c.layer_norm_epsilon, dtype=None, rngs=rngs)
-        self.lm_head = nnx.Linear(d, c.vocab_size, use_bias=False, rngs=rngs)
-
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
-        x = self.wte(input_ids) + self.wpe(jnp.arange(input_ids.shape[1]))
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
 def _gpt2_candidates(quick: bool, gpt2_small: bool = False):
-    """``({name: (fn, args, baseline name)}, title)`` for the bundled GPT-2 on both front ends, and the same model
-    from Flax's layers (``flax ...``) against its own non-DP step."""
+    """``({name: (fn, args, baseline name)}, title)`` for the bundled GPT-2 (Flax layers: the program front-end) and
+    the same model from ``dz.nn`` layers (``dz.nn ...``: both front ends), each against its own non-DP step."""
     dtype = jnp.float32
     if quick:
         vocab, layers, width, heads, seq, batch_size = 64, 2, 32, 2, 16, 4
@@ -111,8 +90,9 @@ def _gpt2_candidates(quick: bool, gpt2_small: bool = False):
     key = jax.random.key(0)
     modes = ("bk",) if gpt2_small else ("bk", "ghost")
     candidates = {}
-    for label, model, front_ends in (("", dz.models.GPT2(config, rngs=nnx.Rngs(0)), ("layers", "program")),
-                                     ("flax ", FlaxLayersGPT2(config, rngs=nnx.Rngs(0)), ("program",))):
+    for label, model, front_ends in (("", dz.models.GPT2(config, rngs=nnx.Rngs(0)), ("program",)),
+                                     ("dz.nn ", dz.models.GPT2(config, rngs=nnx.Rngs(0), layers=DP_LAYERS),
+                                      ("layers", "program"))):
         params, loss_fn = dz.models.lm_objective(model)
         params = jax.tree.map(lambda x: x.astype(dtype), params)
         base = f"{label}non-DP"

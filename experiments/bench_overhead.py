@@ -62,7 +62,7 @@ How to run
     python experiments/bench_overhead.py                        # W1, W2, W3 (10-25 minutes on a 2-core CPU)
     python experiments/bench_overhead.py --workloads W1 --modes auto,bk --rounds 11
     python experiments/bench_overhead.py --gpt2-small           # on a GPU
-    python experiments/bench_overhead.py --layers flax --modes auto   # GPT-2 from Flax's layers (program front-end)
+    python experiments/bench_overhead.py --layers dz.nn --modes auto  # GPT-2 from dz.nn layers (layers front-end)
     python experiments/bench_overhead.py --norm-method mixed   # another per-layer norm rule for every DP candidate
 
 Results go to ``--out`` (default ``experiments/results/bench_overhead_<backend>.json``; ``_quick`` /
@@ -114,7 +114,7 @@ class Workload:
     batch_size: int
     vocab_size: int = 8192
     dtype: str = "float32"
-    layers: str = "dz.nn"          # "dz.nn": the bundled GPT2; "flax": the same model from Flax's own layers
+    layers: str = "flax"           # "flax": the bundled GPT2 (Flax's layers); "dz.nn": GPT2(layers=DP_LAYERS)
     norm_method: str = "auto"      # DPConfig.norm_method of every DP candidate
 
     def describe(self) -> str:
@@ -279,12 +279,9 @@ def make_workload(workload: Workload, seed: int = 0):
     config = dz.models.GPT2Config(vocab_size=workload.vocab_size, n_positions=workload.seq_len,
                                   n_embd=workload.n_embd, n_layer=workload.n_layer, n_head=workload.n_head,
                                   tie_word_embeddings=False)
-    if workload.layers == "flax":
-        here = os.path.dirname(os.path.abspath(__file__))
-        if here not in sys.path:
-            sys.path.insert(0, here)
-        from bench_front_ends import FlaxLayersGPT2  # the same computation from nnx.Embed / Linear / LayerNorm
-        model = FlaxLayersGPT2(config, rngs=nnx.Rngs(seed))
+    if workload.layers == "dz.nn":   # the same computation and parameters from dz.nn layers
+        from dpzero_jax.models.transformer import DP_LAYERS
+        model = dz.models.GPT2(config, rngs=nnx.Rngs(seed), layers=DP_LAYERS)
     else:
         model = dz.models.GPT2(config, rngs=nnx.Rngs(seed))
     params, loss_fn = dz.models.lm_objective(model)
@@ -519,9 +516,9 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="one tiny workload: a smoke test")
     parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small, T=256, B=32, bf16 (for a GPU)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype override")
-    parser.add_argument("--layers", choices=("dz.nn", "flax"), default="dz.nn",
-                        help="the bundled GPT2 (dz.nn layers: the layers front-end) or the same model from Flax's own "
-                             "layers (experiments/bench_front_ends.py's FlaxLayersGPT2: the traced-program front-end)")
+    parser.add_argument("--layers", choices=("flax", "dz.nn"), default="flax",
+                        help="the bundled GPT2 (Flax's layers: the traced-program front-end) or the same model from "
+                             "dz.nn layers (GPT2(layers=DP_LAYERS): the layers front-end)")
     parser.add_argument("--norm-method", default="auto", choices=("auto", "mixed", "fastest", "ghost", "instantiate"),
                         help="DPConfig.norm_method of every DP candidate (default auto: the backend's rule)")
     parser.add_argument("--no-donate", dest="donate", action="store_false",

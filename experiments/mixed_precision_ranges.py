@@ -56,6 +56,7 @@ from flax import nnx
 import dpzero_jax as dz
 from dpzero_jax import engine
 from dpzero_jax import tape as tape_lib
+from dpzero_jax.models.transformer import DP_LAYERS
 
 STDLIB_FILES = ("argparse.py", "dataclasses.py", "functools.py", "inspect.py", "typing.py", "this.py")
 QUANTITIES = ("activation", "output grad", "vec(AA^T)", "vec(BB^T)", "clip factor", "param grad (not scaled down)",
@@ -78,7 +79,7 @@ def windows(data: np.ndarray, starts: np.ndarray, length: int) -> jnp.ndarray:
 def train(config: dz.models.GPT2Config, data: np.ndarray, steps: int, batch: int, seq: int, clip_fn: str,
           seed: int):
     """``steps`` DP-Adam steps on random windows of the first 90% of ``data``; returns ``(params, loss_fn, losses)``."""
-    model = dz.models.GPT2(config, rngs=nnx.Rngs(seed))
+    model = dz.models.GPT2(config, rngs=nnx.Rngs(seed), layers=DP_LAYERS)   # capture() reads the layers' tape
     params, loss_fn = dz.models.lm_objective(model)
     dp = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, clip_fn=clip_fn, mode="bk")
     private_grad = dz.private_value_and_grad(loss_fn, dp)

@@ -16,6 +16,7 @@ import reference as ref
 from flax import nnx
 
 import dpzero_jax as dz
+from dpzero_jax.models.transformer import DP_LAYERS
 
 B = 5  # batch size of the model setups (3 does not divide it: microbatch padding is exercised)
 
@@ -58,14 +59,18 @@ GPT2_LAYERS = ("wte", "wpe", "h/0/ln_1", "h/0/attn/c_attn", "h/0/attn/c_proj", "
 
 
 @functools.cache
-def gpt2(tied: bool = True) -> Setup:
+def gpt2(tied: bool = True, dz_nn: bool = False) -> Setup:
+    """The bundled GPT-2 (Flax layers: the program front-end), or with ``dz_nn`` the same model from ``dz.nn``
+    layers (``layers=DP_LAYERS``: the layers front-end)."""
     config = dz.models.GPT2Config(vocab_size=23, n_positions=12, n_embd=16, n_layer=1, n_head=2,
                                   tie_word_embeddings=tied)
-    model = build(dz.models.GPT2, config, 1 if tied else 2)
+    cls = functools.partial(dz.models.GPT2, layers=DP_LAYERS) if dz_nn else dz.models.GPT2
+    model = build(cls, config, 1 if tied else 2)
     params, loss_fn = dz.models.lm_objective(model)
     ids = jnp.asarray(np.random.default_rng(10).integers(0, config.vocab_size, (B, 10)), jnp.int32)
     layers = GPT2_LAYERS + (() if tied else ("lm_head",))
-    return Setup(f"gpt2-{'tied' if tied else 'untied'}", params, loss_fn, {"input_ids": ids}, layers)
+    name = f"gpt2-{'dz-nn-' if dz_nn else ''}{'tied' if tied else 'untied'}"
+    return Setup(name, params, loss_fn, {"input_ids": ids}, layers)
 
 
 @functools.cache
@@ -118,7 +123,9 @@ def layers_mlp() -> Setup:
     return Setup("layers-mlp", params, loss_fn, mlp_batch(12, scale=2.0), ("layers/0", "layers/1", "head"))
 
 
-SETUPS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False), "vit": vit, "mlp": mlp}
+SETUPS = {"gpt2-tied": lambda: gpt2(True), "gpt2-untied": lambda: gpt2(False),
+          "gpt2-dz-nn-tied": lambda: gpt2(True, True), "gpt2-dz-nn-untied": lambda: gpt2(False, True), "vit": vit,
+          "mlp": mlp}
 
 
 def private_fn(loss_fn, cfg, *, use_jit: bool = True):

@@ -34,10 +34,11 @@ def test_bench_front_ends_quick_writes_its_table(tmp_path):
     out = tmp_path / "front_ends.json"
     bench_front_ends.main(["--quick", "--rounds", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"non-DP", "layers bk", "layers ghost", "program bk", "program ghost",
-                         "flax non-DP", "flax program bk", "flax program ghost"}
+    assert set(rows) == {"non-DP", "program bk", "program ghost", "dz.nn non-DP", "dz.nn layers bk",
+                         "dz.nn layers ghost", "dz.nn program bk", "dz.nn program ghost"}
     assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
-    assert {row["baseline"] for name, row in rows.items() if name.startswith("flax")} == {"flax non-DP"}
+    assert {row["baseline"] for name, row in rows.items() if name.startswith("dz.nn")} == {"dz.nn non-DP"}
+    assert {row["baseline"] for name, row in rows.items() if not name.startswith("dz.nn")} == {"non-DP"}
 
 
 @pytest.mark.slow

@@ -259,7 +259,8 @@ def test_fused_accepts_user_groups_inside_layers():
 
 @pytest.mark.parametrize("groups", ["layer-wise", "param-wise"])
 def test_fused_rejects_tied_weights(groups):
-    setup = gpt2(True)
+    """On the layers front-end (the program front-end's fused mode clips a tied table's uses together)."""
+    setup = gpt2(True, dz_nn=True)
     with pytest.raises(ValueError, match="wte/embedding.*tied"):
         private_fn(setup.loss_fn, dz.DPConfig(groups=groups, mode="fused"))(setup.params, setup.batch,
                                                                              jax.random.key(0))

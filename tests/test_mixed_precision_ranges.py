@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 import dpzero_jax as dz
+from dpzero_jax.models.transformer import DP_LAYERS
 
 _PATH = pathlib.Path(__file__).parents[1] / "experiments" / "mixed_precision_ranges.py"
 _SPEC = importlib.util.spec_from_file_location("mixed_precision_ranges", _PATH)
@@ -33,7 +34,7 @@ def test_captured_factors_give_the_per_example_kernel_norms():
     per-example kernel gradient (paper 000, eq. 3); the reference is vmap(grad)."""
     config = dz.models.GPT2Config(vocab_size=31, n_positions=6, n_embd=8, n_layer=1, n_head=2,
                                   tie_word_embeddings=False)
-    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(3)))
+    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(3), layers=DP_LAYERS))
     batch = {"input_ids": jnp.asarray(np.random.default_rng(0).integers(0, 31, (3, 6)), jnp.int32)}
     layers = mpr.capture(loss_fn, params, batch)
     ghost = sorted(np.asarray(jnp.einsum("bts,bts->b", jnp.einsum("btd,bsd->bts", a, a),
@@ -50,7 +51,7 @@ def test_scaling_cancels_in_clipped_dp_gradients():
     """Automatic clipping of the scaled gradient: C(S n) S = S / (S n + gamma) -> 1/n, so the unscaled DP gradient
     barely moves with S while the scaled-down one shrinks by S (the paper's argument against loss scaling)."""
     config = dz.models.GPT2Config(vocab_size=31, n_positions=6, n_embd=8, n_layer=1, n_head=2)
-    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(4)))
+    params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(4), layers=DP_LAYERS))
     batch = {"input_ids": jnp.asarray(np.random.default_rng(1).integers(0, 31, (3, 6)), jnp.int32)}
     rows = mpr.measure(loss_fn, params, batch, 2.0**10, "automatic")
     plain, scaled = rows["DP w/o scaling"], rows["DP w/ scaling"]

@@ -13,6 +13,7 @@ from flax import nnx
 from helpers import SETUPS, B, check_private, gpt2, layers_mlp, mlp, vit
 
 import dpzero_jax as dz
+from dpzero_jax.models.transformer import DP_LAYERS
 
 CLIP_FNS = ("abadi", "automatic", "global")
 PRESETS = ("all-layer", "layer-wise", "param-wise", ("uniform", 2))
@@ -37,24 +38,25 @@ def test_mlp_matrix(mode, clip_fn, groups, extra):
 
 
 # Transformers: every mode, clip function and group preset at least once per architecture family, plus the
-# norm methods (all exact; they only change how weight norms are computed).
+# norm methods (all exact; they only change how weight norms are computed). GPT-2 on both front ends: the bundled
+# model (Flax layers, the program front-end) and the same model from dz.nn layers (the layers front-end).
 TRANSFORMER_CASES = [
     # model, mode, clip_fn, groups, extra config
     ("gpt2-tied", "bk", "abadi", "all-layer", {}),
-    ("gpt2-tied", "bk", "automatic", "param-wise", {"norm_method": "ghost"}),
+    ("gpt2-dz-nn-tied", "bk", "automatic", "param-wise", {"norm_method": "ghost"}),
     ("gpt2-tied", "bk", "global", ("uniform", 3), {"norm_method": "instantiate"}),
-    ("gpt2-tied", "ghost", "abadi", "layer-wise", {}),
+    ("gpt2-dz-nn-tied", "ghost", "abadi", "layer-wise", {}),
     ("gpt2-tied", "ghost", "global", "all-layer", {"norm_method": "instantiate"}),
-    ("gpt2-tied", "ghost", "automatic", ("uniform", 3), {"norm_method": "ghost"}),
+    ("gpt2-dz-nn-tied", "ghost", "automatic", ("uniform", 3), {"norm_method": "ghost"}),
     ("gpt2-tied", "vmap", "global", "param-wise", {"microbatch_size": 3}),
     ("gpt2-tied", "vmap", "automatic", "all-layer", {}),
-    ("gpt2-tied", "auto", "abadi", "layer-wise", {}),
+    ("gpt2-dz-nn-tied", "auto", "abadi", "layer-wise", {}),
     ("gpt2-tied", "bk", "abadi", "all-layer", {"norm_method": "fastest"}),
     ("gpt2-tied", "auto", "automatic", "all-layer", {"target": "tpu"}),   # resolves as for a TPU, runs here
     ("gpt2-untied", "fused", "abadi", "layer-wise", {}),
-    ("gpt2-untied", "fused", "global", "param-wise", {"norm_method": "ghost"}),
+    ("gpt2-dz-nn-untied", "fused", "global", "param-wise", {"norm_method": "ghost"}),
     ("gpt2-untied", "fused", "automatic", "layer-wise", {"norm_method": "instantiate"}),
-    ("gpt2-untied", "bk", "automatic", "layer-wise", {}),
+    ("gpt2-dz-nn-untied", "bk", "automatic", "layer-wise", {}),
     ("gpt2-untied", "ghost", "abadi", "param-wise", {}),
     ("gpt2-untied", "vmap", "abadi", ("uniform", 4), {"microbatch_size": 1}),
     ("vit", "bk", "global", "layer-wise", {}),
@@ -150,7 +152,8 @@ def test_per_example_grad_norms(model):
 def test_parameter_paths_and_uniform_groups():
     """Paths look like ``h/0/attn/c_attn/kernel``; ``("uniform", k)`` chunks layers in forward order."""
     config = dz.models.GPT2Config(vocab_size=13, n_positions=8, n_embd=16, n_layer=2, n_head=2)
-    params, loss_fn = dz.models.lm_objective(nnx.eval_shape(lambda: dz.models.GPT2(config, rngs=nnx.Rngs(0))))
+    params, loss_fn = dz.models.lm_objective(nnx.eval_shape(lambda: dz.models.GPT2(config, rngs=nnx.Rngs(0),
+                                                                                    layers=DP_LAYERS)))
     batch = {"input_ids": np.zeros((2, 8), np.int32)}
     plan = dz.make_plan(loss_fn, dz.DPConfig(groups=("uniform", 4)), params, batch)
     block = ["attn/c_attn/bias", "attn/c_attn/kernel", "attn/c_proj/bias", "attn/c_proj/kernel", "ln_1/bias",

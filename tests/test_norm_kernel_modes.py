@@ -38,9 +38,12 @@ def test_modes_with_pallas_kernels(model, mode, clip_fn, groups, extra):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="GPU kernels take 16-bit inputs; these models are float32")
-@pytest.mark.parametrize("mode", ["bk", "ghost", "fused"])
-def test_pallas_kernels_are_in_the_program(mode):
-    setup = SETUPS["gpt2-untied"]()
+@pytest.mark.parametrize("model, mode", [("gpt2-untied", "bk"), ("gpt2-dz-nn-untied", "bk"),
+                                         ("gpt2-dz-nn-untied", "ghost"), ("gpt2-dz-nn-untied", "fused")])
+def test_pallas_kernels_are_in_the_program(model, mode):
+    """Book-keeping on both front ends; ghost and fused on the layers front-end (on the program front-end they form
+    each example's norm inside its own backward, with XLA)."""
+    setup = SETUPS[model]()
     cfg = dz.DPConfig(noise_multiplier=0.0, mode=mode, groups="layer-wise", norm_kernel="pallas")
     program = str(jax.make_jaxpr(dz.private_value_and_grad(setup.loss_fn, cfg))(setup.params, setup.batch,
                                                                                  jax.random.key(0)))

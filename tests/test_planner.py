@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import dpzero_jax as dz
 from dpzero_jax import pergrad, planner
+from dpzero_jax.models.transformer import DP_LAYERS
 
 # XLA:CPU's default YNNPACK fusion evaluates ``sum(Gram_a * Gram_g)`` in one kernel without materialising the
 # ``[B, T, T]`` Grams (compiled scratch 0); accelerator backends run the two Gram GEMMs into memory. Switching that
@@ -39,7 +40,7 @@ NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 def _abstract_gpt2(**kwargs):
     config = dz.models.GPT2Config(**kwargs)
-    model = nnx.eval_shape(lambda: dz.models.GPT2(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: dz.models.GPT2(config, rngs=nnx.Rngs(0), layers=DP_LAYERS))
     return dz.models.lm_objective(model)
 
 

@@ -281,8 +281,11 @@ def test_explain_plan_for_both_front_ends():
     assert "front end: program" in text and "lora_b" in text and "cond" in text
     scanned = SETUPS["linen"]()     # nn.remat blocks: auto computes their norms in the rematerialised backward
     assert dz.explain_plan(scanned.loss_fn, dz.DPConfig(), scanned.params, scanned.batch).mode == "ghost"
-    bundled = gpt2(True)
-    layers = dz.explain_plan(bundled.loss_fn, dz.DPConfig(), bundled.params, bundled.batch)
+    bundled = gpt2(True)      # standard Flax layers: the program front-end
+    report = dz.explain_plan(bundled.loss_fn, dz.DPConfig(), bundled.params, bundled.batch)
+    assert report.front_end == "program" and report.mode == "bk"
+    dz_nn = gpt2(True, dz_nn=True)
+    layers = dz.explain_plan(dz_nn.loss_fn, dz.DPConfig(), dz_nn.params, dz_nn.batch)
     assert layers.front_end == "layers" and layers.mode == "bk"
     assert {r["path"]: r["rule"] for r in layers.rows}["wte/embedding"] == "embed+linear"
 

@@ -443,7 +443,7 @@ def test_convert_to_rmm_keeps_parameters_and_outputs():
     assert sorted(converted) == ["h/0/attn/c_attn", "h/0/attn/c_proj", "h/0/mlp/c_fc", "h/0/mlp/c_proj"]
     assert all(layer.n_in == 1 for layer in converted.values())
     assert all(layer.config.projection == "tokens" for layer in converted.values())
-    assert isinstance(model.lm_head, dz.nn.Linear)
+    assert isinstance(model.lm_head, nnx.Linear)
     params_after = nnx.state(model, nnx.Param)
     assert ref.paths(params_before) == ref.paths(params_after)
     for a, b in zip(jax.tree.leaves(params_before), jax.tree.leaves(params_after)):

@@ -1,5 +1,6 @@
-"""A GPT-2-style decoder from DP layers: learned positions, pre-LN blocks, GELU MLP, tied or untied LM head; its blocks
-unrolled (a list) or stacked and scanned (``scan_layers``)."""
+"""A GPT-2-style decoder from standard Flax layers (``nnx.Embed`` with a tied ``attend`` head, ``nnx.Linear``,
+``nnx.LayerNorm``): learned positions, pre-LN blocks, GELU MLP, tied or untied LM head; its blocks unrolled (a list)
+or stacked and scanned (``scan_layers``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpzero_jax import nn
-from dpzero_jax.models.transformer import DP_LAYERS, Block
+from dpzero_jax.models.transformer import FLAX_LAYERS, Block, LayerSet
 from dpzero_jax.spmd import constrain_batch
 
 # GELU variants by their Hugging Face names: the tanh approximation ("gelu_new", GPT-2's) or the exact erf form
@@ -55,26 +55,29 @@ class GPT2(nnx.Module):
     """``input_ids [B, T] -> logits [B, T, vocab_size]``.
 
     ``dtype``: the compute dtype of the activations (``None``: that of the weights, fp32); weights stay as stored.
+    ``layers``: the layer classes (:data:`~dpzero_jax.models.transformer.FLAX_LAYERS`, Flax's own: the traced-program
+    front-end plans the private gradient, as for a user's model; ``DP_LAYERS``: the same computation and parameters
+    from ``dz.nn`` layers, planned from the layers' calls).
     ``from_pretrained(path)`` loads a Hugging Face GPT-2 checkpoint directory, ``save_pretrained(path)`` writes one.
     """
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=None):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=None, layers: LayerSet = FLAX_LAYERS):
         self.config = config
         self.dtype = None if dtype is None else jnp.dtype(dtype).name
         self.hf_config: str | None = None       # the checkpoint's config.json (JSON text), kept for export
-        d = config.n_embd
-        self.wte = nn.Embed(config.vocab_size, d, rngs=rngs)
-        self.wpe = nn.Embed(config.n_positions, d, stddev=0.01, rngs=rngs)
+        d, compute = config.n_embd, None if dtype is None else jnp.dtype(dtype)
+        self.wte = layers.embed(config.vocab_size, d, stddev=0.02, dtype=compute, rngs=rngs)
+        self.wpe = layers.embed(config.n_positions, d, stddev=0.01, dtype=compute, rngs=rngs)
         block = functools.partial(Block, d, config.n_head, config.n_inner or 4 * d, causal=True,
                                   approximate_gelu=GELUS[config.activation_function], eps=config.layer_norm_epsilon,
-                                  layers=DP_LAYERS)
+                                  layers=layers, dtype=compute)
         if config.scan_layers:
             self.h = stacked_blocks(block, config.n_layer, rngs)
         else:
             self.h = nnx.List([block(rngs=rngs) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, config.vocab_size, use_bias=False,
-                                                                          rngs=rngs)
+        self.ln_f = layers.norm(d, eps=config.layer_norm_epsilon, dtype=compute, rngs=rngs)
+        self.lm_head = None if config.tie_word_embeddings else layers.linear(d, config.vocab_size, use_bias=False,
+                                                                              dtype=compute, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         if input_ids.ndim != 2:

@@ -1,10 +1,9 @@
 """A pre- or post-LayerNorm transformer block (shared by ViT, the encoder classifier, BERT and GPT-2).
 
-The encoders build it from Flax's own layers (:data:`FLAX_LAYERS`: ``nnx.Linear``, ``nnx.LayerNorm``), as a user
-writes a model; the engine plans them from the traced program. GPT-2 builds it from
-:mod:`dpzero_jax.nn` (:data:`DP_LAYERS`), planned from the layers' own calls: on this project's CPU overhead
-benchmark (GPT-2, ``experiments/bench_overhead.py``) that front-end's step is the faster of the two
-(``experiments/bench_front_ends.py``).
+Every bundled model builds it from Flax's own layers (:data:`FLAX_LAYERS`: ``nnx.Linear``, ``nnx.LayerNorm``,
+``nnx.Embed``), as a user writes a model; the engine plans them from the traced program. :data:`DP_LAYERS` builds the
+same computation from :mod:`dpzero_jax.nn`, planned from the layers' own calls (the layers front-end:
+``GPT2(..., layers=DP_LAYERS)``, the comparison of ``experiments/bench_front_ends.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from flax import nnx
 from dpzero_jax import nn
 
 
-def _flax_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, dtype=dtype, rngs=rngs)
+def _flax_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, rngs=rngs)
 
 
 def _flax_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -28,25 +27,35 @@ def _flax_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nnx.Layer
     return nnx.LayerNorm(features, epsilon=eps, use_fast_variance=False, dtype=dtype, rngs=rngs)
 
 
-def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs) -> nn.Linear:
-    return nn.Linear(in_features, out_features, rngs=rngs)       # computes in its input's dtype
+def _flax_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rngs) -> nnx.Embed:
+    return nnx.Embed(count, features, embedding_init=nnx.initializers.normal(stddev), dtype=dtype, rngs=rngs)
+
+
+def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> nn.Linear:
+    return nn.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs)       # computes in its input's dtype
 
 
 def _dp_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nn.LayerNorm:
     return nn.LayerNorm(features, eps=eps)
 
 
+def _dp_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rngs) -> nn.Embed:
+    return nn.Embed(count, features, stddev=stddev, rngs=rngs)          # looks up the stored dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSet:
-    """The layer constructors a block is built from: ``linear(in, out)`` and ``norm(features, eps=...)``, each with
-    ``dtype`` (the compute dtype; ``None``: the weights') and ``rngs``."""
+    """The layer constructors a model is built from: ``linear(in, out, use_bias=True)``, ``norm(features, eps=...)``
+    and ``embed(count, features, stddev=...)`` (a table with ``attend`` for a tied head), each with ``dtype`` (the
+    compute dtype; ``None``: the weights') and ``rngs``."""
 
     linear: Callable
     norm: Callable
+    embed: Callable
 
 
-FLAX_LAYERS = LayerSet(_flax_linear, _flax_norm)
-DP_LAYERS = LayerSet(_dp_linear, _dp_norm)
+FLAX_LAYERS = LayerSet(_flax_linear, _flax_norm, _flax_embed)
+DP_LAYERS = LayerSet(_dp_linear, _dp_norm, _dp_embed)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, mask: jax.Array | None = None) -> jax.Array:
