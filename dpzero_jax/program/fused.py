@@ -135,15 +135,6 @@ def _not_local(plan, name: str, group_sites, fallback, split: bool) -> str:
 INPUT_FREE = frozenset({"add", "add_any", "sub", "concatenate"})
 
 
-def _finite(ops):
-    """``(ok, ops')``: whether every float operand is finite (a scalar) and the operands with their non-finite
-    entries zeroed (integer operands unchanged)."""
-    floats = [o for o in ops if jnp.issubdtype(o.dtype, jnp.inexact)]
-    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(o)) for o in floats])) if floats else jnp.asarray(True)
-    return ok, [jnp.where(jnp.isfinite(o), o, jnp.zeros((), o.dtype)) if jnp.issubdtype(o.dtype, jnp.inexact)
-                else o for o in ops]
-
-
 def _leaf_sq(site, view_grad, base_shape):
     """One example's squared norm (float32) of a leaf's gradient given the gradient of its view (through the view's
     chain from ``base_shape``, the leaf's or its per-iteration slice's: a broadcast sums, a reshape or transpose
@@ -216,7 +207,7 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip
         else:
             # The weight path and the norm see the operands with non-finite entries zeroed: an example with one
             # gets C = 0 (its norm is reported NaN), and 0 * NaN would not be 0 in the weight's contraction.
-            ok, held = _finite([jax.lax.stop_gradient(o) for o in ops])
+            ok, held = sites_lib.finite_operands([jax.lax.stop_gradient(o) for o in ops])
             y_weight = sites_lib.apply_site(site, w, held)
 
         @jax.custom_vjp

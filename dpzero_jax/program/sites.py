@@ -311,6 +311,16 @@ def _canonical(site: Site):
     return tuple(w_shape[i] for i in perm), perm
 
 
+def finite_operands(ops):
+    """``(ok, ops')``: whether every float operand is finite (a scalar) and the operands with their non-finite
+    entries zeroed (integer operands unchanged): a weight path's operands, where an example with a non-finite
+    entry gets the coefficient 0 and 0 * NaN would not be 0 in the weight's contraction."""
+    floats = [o for o in ops if jnp.issubdtype(o.dtype, jnp.inexact)]
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(o)) for o in floats])) if floats else jnp.asarray(True)
+    return ok, [jnp.where(jnp.isfinite(o), o, jnp.zeros((), o.dtype)) if jnp.issubdtype(o.dtype, jnp.inexact)
+                else o for o in ops]
+
+
 def apply_site(site: Site, w, ops):
     """The site's equation on the view ``w`` and its recorded operands ``ops`` (literals as traced)."""
     values, k = [], 0
