@@ -58,7 +58,8 @@ STRUCTURAL = BIJECTIVE | frozenset({"broadcast_in_dim", "slice", "rev", "pad", "
 ELEMENTWISE = frozenset({"convert_element_type", "copy", "copy_p"})  # commute with slicing a stacked leaf
 # Entered. A ``custom_jvp_call`` / ``custom_vjp_call`` is not: its custom derivative (a straight-through estimator,
 # a stable softmax) must be kept, so it is one opaque operation -- a local site, or a fallback.
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
+REMAT = frozenset({"remat2", "checkpoint"})
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"}) | REMAT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,11 @@ class Analysis:
     @property
     def rematerialised(self) -> bool:
         """Whether some site lies inside a ``jax.checkpoint`` (remat) region."""
-        return any(self.primitives.get(p) in ("remat2", "checkpoint") for p in self.containers)
+        return any(self.primitives.get(p) in REMAT for p in self.containers)
+
+    def in_remat(self, path: tuple) -> bool:
+        """Whether the equation at ``path`` lies inside a ``jax.checkpoint`` (remat) region."""
+        return any(self.primitives.get(path[:k]) in REMAT for k in range(1, len(path)))
 
 
 def _leaves(kind) -> frozenset[int]:

@@ -117,10 +117,6 @@ def _remat_tap(site, w, ops, sink, method: str):
     return with_port(w, ops, sink)
 
 
-def _in_remat(analysis, path) -> bool:
-    return any(analysis.primitives.get(path[:i]) in ("remat2", "checkpoint") for i in range(1, len(path)))
-
-
 def _ghost_handler(ghost_paths: frozenset, method: str, in_remat: frozenset = frozenset()):
     """Book-keeping's probe for captured sites; for ghost sites the equation twice -- the *data path* (the parameter
     under ``stop_gradient``) and the *weight path* (the operands under ``stop_gradient``, non-finite entries
@@ -184,7 +180,7 @@ def program_ghost(cfg, plan, params, batch, mask, layout=None):
     ghost_leaves = sorted({analysis.sites[p].view.leaf for p in ghost_paths})
     fallback = sorted(analysis.fallback)
     handler = _ghost_handler(ghost_paths, cfg.norm_method,
-                             frozenset(p for p in ghost_paths if _in_remat(analysis, p)))
+                             frozenset(filter(analysis.in_remat, ghost_paths)))
 
     def per_example(values, example, site_inputs):
         records: dict = {}

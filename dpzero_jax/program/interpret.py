@@ -23,7 +23,7 @@ import jax
 from jax.extend import core as jcore
 
 from dpzero_jax.program import zero3
-from dpzero_jax.program.analyze import Analysis, _sub_jaxpr
+from dpzero_jax.program.analyze import REMAT, Analysis, _sub_jaxpr
 
 
 def bind(eqn, invals) -> list:
@@ -110,7 +110,7 @@ def _enter(eqn, invals, analysis: Analysis, probes: dict, records: dict, here: t
     if name == "scan":
         return _scan(eqn, invals, analysis, probes, records, here, handler)
     sub, consts = _sub_jaxpr(eqn)
-    if name in ("remat2", "checkpoint"):
+    if name in REMAT:
         def body(args, sub_probes):
             inner: dict = {}
             outs = run(sub, consts, args, analysis, sub_probes, inner, here, handler)
