@@ -75,12 +75,14 @@ INSTANTIATED_DTYPES = ("float32", "bfloat16")
 
 
 def check_instantiated_dtype(owner: str, instantiated_dtype: str, mode: str) -> None:
-    """Refuse a non-default ``instantiated_dtype`` with a mode that keeps no per-example gradient (the one rule
-    :class:`DPConfig` and :class:`ClippingOptions` share, with the owner's name in the message)."""
-    if instantiated_dtype != "float32" and mode in ("ghost", "vmap"):
+    """Refuse a non-default ``instantiated_dtype`` with ``mode="vmap"``, which keeps no book-kept per-example
+    gradient (the one rule :class:`DPConfig` and :class:`ClippingOptions` share, with the owner's name in the
+    message). ``"ghost"`` accepts it: on the traced-program front-end ghost book-keeps the leaves it cannot tap
+    (tied weights, a weight shared across scan iterations, a position table), and ``"auto"`` resolves to it."""
+    if instantiated_dtype != "float32" and mode == "vmap":
         raise ValueError(f"{owner}.instantiated_dtype={instantiated_dtype!r} is the dtype of the per-example "
-                         f"gradients book-keeping keeps for the clipped sum (mode 'bk' or 'auto', and the "
-                         f"book-kept groups of 'fused'); mode={mode!r} keeps none")
+                         f"gradients book-keeping keeps for the clipped sum (modes 'bk', 'auto', 'ghost' where it "
+                         f"book-keeps, and the book-kept groups of 'fused'); mode={mode!r} keeps none")
 
 
 def _accept_thresholds(values, name):
@@ -132,9 +134,10 @@ class DPConfig:
         (``"layer-wise"``: one group per layer of the stack; ``M`` grows by the stack's depth; thresholds ``R /
         sqrt(M)``). Computed by ``mode="fused"``, in one backward pass inside the scan (each iteration's
         coefficient is known as soon as its output gradient is); the other modes refuse it.
-    instantiated_dtype: the dtype in which book-keeping (``mode="bk"``, and ``"auto"`` where it resolves to it) keeps
-        a per-example gradient it instantiates (where the norm rule picks instantiation over a ghost norm) and
-        reuses for the clipped sum: ``"float32"`` (default) or ``"bfloat16"``, which halves that buffer -- at long
+    instantiated_dtype: the dtype in which book-keeping (``mode="bk"``; ``"auto"``; on the traced-program
+        front-end also ``"ghost"``, for the leaves it book-keeps: tied weights, a weight shared across scan
+        iterations, a position table; the layer front-end's ghost keeps none) keeps a per-example gradient it
+        instantiates (where the norm rule picks instantiation over a ghost norm) and reuses for the clipped sum: ``"float32"`` (default) or ``"bfloat16"``, which halves that buffer -- at long
         sequences the largest the private step adds (the tied LM head's ``[B, d, V]``). The rounded gradients are
         then what is clipped and summed: their norms are taken after rounding, so each example's clipped
         contribution is bounded by its threshold exactly and the sensitivity is unchanged; the summed gradient is
@@ -250,7 +253,7 @@ class ClippingOptions(OptionGroup):
     instantiated_dtype: str = option("float32", choice(INSTANTIATED_DTYPES),
                                      "dtype of the per-example gradients book-keeping instantiates and reuses for the "
                                      "clipped sum: bfloat16 halves that buffer (normed after rounding: what is "
-                                     "summed is what is clipped); not with --mode ghost or vmap")
+                                     "summed is what is clipped); not with --mode vmap")
 
     def _check_group(self, owner: str) -> None:
         check_instantiated_dtype(owner, self.instantiated_dtype, self.mode)

@@ -80,8 +80,9 @@ from dpzero_jax.shard_layout import DEFAULT_MIN_SHARD_ELEMENTS  # noqa: E402  (J
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
 VARIANTS = ("nonprivate", "dp")
 # not in the default run: layer-wise clipping with each layer of the scanned stack its own group
-# (DPConfig(groups="layer-wise", scan_groups="per-iteration"), computed by mode="fused": one backward pass)
-EXTRA_VARIANTS = ("dp-layerwise",)
+# (DPConfig(groups="layer-wise", scan_groups="per-iteration"), computed by mode="fused": one backward pass); dp with
+# the per-example gradients it book-keeps (a tied table, under remat's ghost) kept in bfloat16
+EXTRA_VARIANTS = ("dp-layerwise", "dp-bf16")
 # gspmd-nohint: the gspmd step traced without dpzero_jax.spmd.batch_sharded (what the partitioner does unhinted)
 STRATEGIES = ("gspmd", "explicit", "gspmd-nohint")
 
@@ -294,6 +295,8 @@ def make_step(case: Case, variant: str, strategy: str, graphdef, trainable, para
                       expected_batch_size=global_batch, noise_rng="partitionable")
     if variant == "dp-layerwise":
         cfg = cfg.replace(mode="fused", groups="layer-wise", scan_groups="per-iteration")
+    if variant == "dp-bf16":
+        cfg = cfg.replace(instantiated_dtype="bfloat16")
     if strategy == "explicit":
         def gradient(p, batch, key, mask, frozen):
             loss = objective(frozen)
