@@ -137,8 +137,9 @@ class DPConfig:
     instantiated_dtype: the dtype in which book-keeping (``mode="bk"``; ``"auto"``; on the traced-program
         front-end also ``"ghost"``, for the leaves it book-keeps: tied weights, a weight shared across scan
         iterations, a position table; the layer front-end's ghost keeps none) keeps a per-example gradient it
-        instantiates (where the norm rule picks instantiation over a ghost norm) and reuses for the clipped sum: ``"float32"`` (default) or ``"bfloat16"``, which halves that buffer -- at long
-        sequences the largest the private step adds (the tied LM head's ``[B, d, V]``). The rounded gradients are
+        instantiates (where the norm rule picks instantiation over a ghost norm) and reuses for the clipped sum:
+        ``"float32"`` (default) or ``"bfloat16"``, which halves that buffer -- at long sequences the largest the
+        private step adds (the tied LM head's ``[B, d, V]``). The rounded gradients are
         then what is clipped and summed: their norms are taken after rounding, so each example's clipped
         contribution is bounded by its threshold exactly and the sensitivity is unchanged; the summed gradient is
         each example's gradient in bfloat16 (a contraction accumulated in float32 and rounded once; an embedding's
