@@ -141,3 +141,20 @@ def test_training_option():
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match=r"ClippingOptions.instantiated_dtype='bfloat16'.*mode='vmap' keeps none"):
         ClippingOptions(instantiated_dtype="bfloat16", mode="vmap")
+
+
+def test_layer_front_end_ghost_keeps_none_so_the_option_changes_nothing():
+    """The layer front-end's ghost keeps no per-example gradient: with ``instantiated_dtype="bfloat16"`` its clipped
+    sum is bit for bit the float32 run's (a tied GPT-2 from ``dz.nn`` layers)."""
+    setup = gpt2(dz_nn=True)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=0.05, mode="ghost", expected_batch_size=1.0,
+                          instantiated_dtype=dtype)
+        _, grads, _ = ref.jit(dz.private_value_and_grad(setup.loss_fn, cfg))(setup.params, setup.batch,
+                                                                             jax.random.key(0))
+        out[dtype] = ref.flat(grads)
+    assert "front end: layers" in str(dz.explain_plan(setup.loss_fn, dz.DPConfig(mode="ghost"), setup.params,
+                                                       setup.batch))
+    for path, value in out["float32"].items():
+        np.testing.assert_array_equal(out["bfloat16"][path], value, err_msg=path)
