@@ -94,10 +94,9 @@ def _remat_tap(site, w, ops, sink, method: str):
     def backward(saved, cotangents):
         w, ops = saved
         g, coef = cotangents
-        keep = coef != 0
-        g_kept = jnp.where(keep, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
-        ops_kept = [jnp.where(keep, o, jnp.zeros((), o.dtype)) if jnp.issubdtype(o.dtype, jnp.inexact) else o
-                    for o in ops]
+        # a zero coefficient selects the gradient away and non-finite entries are zeroed, as on the weight path
+        g_kept = jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
+        _, ops_kept = sites_lib.finite_operands(ops)
         _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops_kept), w)
         floats = [i for i, o in enumerate(ops) if jnp.issubdtype(o.dtype, jnp.inexact)]   # ids get no cotangent
         data = [None] * len(ops)
