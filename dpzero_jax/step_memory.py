@@ -22,28 +22,40 @@ ZeRO partition (the mesh's ``fsdp`` axis):
   ``4 + 4 + c``); the block's other activations, ``b T c x`` with ``x`` the per-token count of
   :func:`~dpzero_jax.decoder_shapes.activation_bytes_per_token` (GPT-2 ``8 d + 2 d_ff``).
 * **LM head**: what the head gathers (:func:`head_gather`: the embedding table and the head at the compute
-  precision, ``2 c V d``, or the devices' activations for a large vocabulary-sharded table); the logits' fp32 cast
-  for the loss, the logits and their gradient at the compute precision, ``b T V (4 + 2 c)``.
+  precision, ``2 c V d``, or the devices' activations for a large vocabulary-sharded table); the logits,
+  ``b T V x`` with ``x`` of :func:`logits_bytes` (GPT-2: the head's output and the loss's shifted slice at the compute
+  precision, ``2 c``; Llama: ``4 + 2 c``).
 * **table gradient** (only when the table is sharded along ``d``, i.e. ``V`` is not a multiple of ``F``, as for
   GPT-2's 50257, and the batch also spans a data axis, ``N > F``): the partitioner forms the lookup's scatter-add
-  gradient as whole fp32 ``[V, d]`` tables on every device before slicing them, ``3 x 4 V d`` (measured on GPT-2
-  XL: three such buffers). A vocabulary-sharded table gets a sharded scatter-add: no such phase.
+  gradient and the tied head's gradient as whole ``[V, d]`` tables at the compute precision (``nnx.Embed`` casts the
+  table at each use, so its gradient reaches that cast in bf16) and all-reduces them whole, ``2 c V d`` (GPT-2 XL:
+  two ``all-reduce bf16[50257, 1600]``). A vocabulary-sharded table gets a sharded scatter-add: no such phase.
 
-The DP step (``private_value_and_grad``, ghost clipping in two passes under remat) adds, measured the same way: the
-clipped-and-noised fp32 gradient shard kept next to the first pass's, ``4 ceil(Psi / F)``, and with a
-``d``-sharded table the clipped sum's whole fp32 table gradient in the table-gradient phase: ``3 x 4 V d`` where the
-non-DP step has no such phase (no data axis); where it has one, nothing more -- the clipped sum takes the place of
-the lookup's gradient (GPT-2 XL on 256 chips: two whole fp32 tables at the peak of either step). The ghost norms'
-``T x T`` Grams of one weight at a time are small next to these (``2 b T^2`` fp32).
+The DP step (``private_value_and_grad``, ghost clipping in two passes under remat, ``norm_method`` the TPU's time
+rule) adds, measured the same way:
 
-The multiplicities (two gathered copies, three fp32 tables, ...) are the buffers counted in the compiled programs
-of GPT-2 XL, GPT-J-6B and Llama-2-7B on 256 v5e chips, where the model is within 10% of the compiled bytes; on
-shapes it was not built from it measured 0.74-1.37 (``docs/planner.md``: the phases overlap in the compiled heap
-where this model takes their maximum, e.g. GPT-J's DP table gradients next to the gathered LM head).
+* in the **block backward** of its second pass, the clipped-and-noised fp32 gradient shard, ``4 ceil(Psi / F)``
+  (it is not live while the LM head's buffers are: GPT-2 XL's three DP steps exceed their non-private steps by the
+  table buffers below alone);
+* in the **LM head**, for a tied table (a lookup and the head: two sites of one leaf, which ghost book-keeps): its
+  per-example gradients, instantiated in fp32 (``btr,btc->brc``) with the lookup's rows scattered in, and its
+  clipped sum, formed and all-reduced whole in fp32: ``4 (b + 1) V d`` for a ``d``-sharded table (GPT-2 XL: two
+  ``f32[50257, 1600]`` at the peak, 0.60 GiB over the non-private step at 12, 24 and 48 layers), ``/ F`` for a
+  vocabulary-sharded one.
+
+The ghost norms' ``T x T`` Grams of one weight at a time are small next to these (``2 b T^2`` fp32).
+
+The multiplicities (two gathered copies, two logits copies, ...) are the buffers counted in the compiled programs
+of ``experiments/tpu_aot.py`` (GPT-2 XL on the standard-Flax-layer model, GPT-J-6B and Llama-2-7B on 256 v5e
+chips); ``docs/planner.md`` lists how far the model is from the compiled bytes, on the shapes it was written from
+and on others (the phases overlap in the compiled heap where this model takes their maximum, and the compiler
+gathers some weights ahead of their block).
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded: GPT-2 XL's 64-way shards
 of ``d = 1600`` are 25 wide), the allocator's packing, what the compiler puts in on-chip memory (about 0.11 GiB on
-v5e, outside ``memory_analysis()``'s temporaries), LoRA / frozen weights, ``remat='dots'``.
+v5e, outside ``memory_analysis()``'s temporaries), LoRA / frozen weights, ``remat='dots'``, the DP options that
+change the tied table's buffers (``instantiated_dtype='bfloat16'`` halves its per-example part; ``norm_method=
+'mixed'`` takes its ghost norm instead: ``docs/benchmarks/tpu_aot.md``).
 """
 
 from __future__ import annotations
@@ -92,16 +104,32 @@ def attention_bytes(config: DecoderConfig, compute_bytes: int) -> int:
     return 3 * compute_bytes if config.family == "gpt2" else 8 + compute_bytes
 
 
+def gathers_activations(config: DecoderConfig, b: int, t: int, shards: int, replicas: int) -> bool:
+    """Whether the ZeRO-3 LM head gathers the devices' activations rather than its table: a vocabulary-sharded table
+    larger than the activations of all ``N`` devices (``V d > N b T d``); each device then computes the logits of
+    all ``N b`` sequences for its ``V / F`` rows."""
+    n = shards * replicas
+    return not table_sharded_along_d(config, shards) and config.vocab * config.d_model > n * b * t * config.d_model
+
+
 def head_gather(config: DecoderConfig, b: int, t: int, c: int, shards: int, replicas: int) -> Term:
     """What the LM head gathers under ZeRO-3. A ``d``-sharded table is gathered whole: ``2 c V d`` (the lookup's
     copy and the head's, one table twice when tied). A vocabulary-sharded table is gathered only when it is smaller
     than the devices' activations (``V d <= N b T d``); otherwise the partitioner gathers the activations, ``c N b T
-    d``, and each device computes the logits of all ``N b`` sequences for its ``V / F`` rows (the same bytes)."""
+    d`` (:func:`gathers_activations`)."""
     v, d, n = config.vocab, config.d_model, shards * replicas
-    if table_sharded_along_d(config, shards) or v * d <= n * b * t * d:
+    if not gathers_activations(config, b, t, shards, replicas):
         return Term("embedding table + LM head, gathered", "LM head", 2 * c * v * d, "2 c V d (ZeRO-3)")
     return Term("activations gathered for the vocabulary-sharded head", "LM head", c * n * b * t * d,
                 "c N b T d (V d > N b T d)")
+
+
+def logits_bytes(config: DecoderConfig, compute_bytes: int) -> int:
+    """Bytes per logit (``b T V`` of them) held in the LM head's phase. GPT-2 family: two compute-precision copies
+    (the head's ``[b, T, V]`` output and the loss's shifted ``[b, T - 1, V]`` slice or its gradient; the loss's fp32
+    cast fuses into its consumers), ``2 c``. Llama family: the fp32 cast for the loss and the logits and their
+    gradient at the compute precision, ``4 + 2 c``."""
+    return 2 * compute_bytes if config.family == "gpt2" else 4 + 2 * compute_bytes
 
 
 def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
@@ -128,18 +156,21 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
         Term("block activations", "block backward", b * t * c * per_token_block_numbers(config), "b T c x"),
         head_gather(config, b, t, c, shards, replicas) if gathered else
         Term("embedding table + LM head, gathered", "LM head", 0, "2 c V d (ZeRO-3)"),
-        Term("logits: fp32 for the loss, compute precision + gradient", "LM head", b * t * v * (4 + 2 * c),
-             "b T V (4 + 2 c)"),
+        Term("logits", "LM head",
+             b * t * v * logits_bytes(config, c), "b T V x (GPT-2: 2 c; Llama: 4 + 2 c)"),
     ]
     d_sharded = zero == 3 and table_sharded_along_d(config, shards)
-    table = 3 * 4 * v * d if d_sharded else 0
-    terms.append(Term("fp32 table gradient, unsharded", "table gradient", table if replicas > 1 else 0,
-                      "3 x 4 V d (d-sharded table, data axis > 1)"))
-    terms.append(Term("DP: clipped + noised gradient shard", "always", 4 * -(-n_params // shards),
+    data_axis = replicas > 1
+    # a d-sharded (or unsharded) table's gradients are formed whole (the partitioner's scatter-add and the head's
+    # product), a vocabulary-sharded one's in shards
+    table_share = -(-v * d // shards) if gathered and not d_sharded else v * d
+    terms.append(Term("lookup + head table gradients, whole, compute precision", "table gradient",
+                      2 * c * v * d if d_sharded and data_axis else 0, "2 c V d (d-sharded table, data axis > 1)"))
+    terms.append(Term("DP: clipped + noised gradient shard", "block backward", 4 * -(-n_params // shards),
                       "4 ceil(Psi / F)"))
-    terms.append(Term("DP: fp32 table gradient of the clipped sum", "table gradient",
-                      table if replicas == 1 else 0,
-                      "3 x 4 V d (d-sharded table, no data axis; else in the non-DP step's table buffers)"))
+    terms.append(Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head",
+                      4 * (b + 1) * table_share if config.tied else 0,
+                      "4 (b + 1) V d (tied; / F when the table is vocabulary-sharded)"))
     return tuple(terms)
 
 

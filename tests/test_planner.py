@@ -16,6 +16,7 @@ norms are formed after (bk) or inside (ghost) the backward pass, away from the a
 does not isolate the norm buffers; they are therefore compared one weight at a time.
 """
 
+import dataclasses
 import json
 import math
 
@@ -288,6 +289,30 @@ def test_cli_block_remat_prints_the_compiled_step_buffers(capsys):
     assert "12 (master, m, v) x Psi / F" in out and "[table gradient]" in out and "[block backward]" in out
     assert f"{expected.total / 2**30:.3f}" in out
     assert expected.optimizer_state == 12 * -(-1_557_611_200 // 64)
+
+
+def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
+    """GPT-2 XL on 256 chips (data 4 x fsdp 64), T 1024, one sequence per chip, ``remat='block'``, counted by hand
+    from the buffers of its compiled steps (docs/planner.md). Its table (``V = 50257``, not a multiple of 64) is
+    sharded along ``d``. Always: block inputs ``48 x 1024 x 1600 x 2``, stacked bf16 block gradients ``2 x 48 p_l /
+    64``. LM head, the largest phase: the table gathered for the lookup and the head ``2 x 2 V d``, two bf16 copies of
+    the logits ``2 x 2 x 1024 V``. Table gradient: the lookup's and the head's whole bf16 gradients ``2 x 2 V d``. The
+    DP step book-keeps the tied table: its per-example fp32 gradient and fp32 clipped sum, ``2 x 4 V d``, in the LM
+    head's phase; its clipped and noised gradient shard ``4 Psi / 64`` sits in the (smaller) block backward."""
+    v, d, t = 50257, 1600, 1024
+    plan = planner.plan_memory("gpt2-xl", 256, 256, t, "bf16", 3, remat="block", shards=64)
+    p_l = 12 * d**2 + 13 * d
+    always = 48 * t * d * 2 + -(-2 * 48 * p_l // 64)
+    head = 2 * 2 * v * d + 2 * 2 * t * v
+    assert plan.activations == always + head
+    totals = {term.name: term.bytes for term in plan.temporaries}
+    assert totals["lookup + head table gradients, whole, compute precision"] == 2 * 2 * v * d < head
+    assert plan.dp_extra == 2 * 4 * v * d
+    block = sum(term.bytes for term in plan.temporaries if term.phase == "block backward")
+    assert block < head and totals["DP: clipped + noised gradient shard"] == 4 * -(-plan.n_params // 64)
+    untied = planner.plan_memory(dataclasses.replace(planner.resolve_model("gpt2-xl"), tied=False), 256, 256, t,
+                                 "bf16", 3, remat="block", shards=64)
+    assert untied.dp_extra == 0     # no book-kept table; the gradient shard leaves the block phase below the head's
 
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):
