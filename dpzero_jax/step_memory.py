@@ -104,21 +104,13 @@ def attention_bytes(config: DecoderConfig, compute_bytes: int) -> int:
     return 3 * compute_bytes if config.family == "gpt2" else 8 + compute_bytes
 
 
-def gathers_activations(config: DecoderConfig, b: int, t: int, shards: int, replicas: int) -> bool:
-    """Whether the ZeRO-3 LM head gathers the devices' activations rather than its table: a vocabulary-sharded table
-    larger than the activations of all ``N`` devices (``V d > N b T d``); each device then computes the logits of
-    all ``N b`` sequences for its ``V / F`` rows."""
-    n = shards * replicas
-    return not table_sharded_along_d(config, shards) and config.vocab * config.d_model > n * b * t * config.d_model
-
-
 def head_gather(config: DecoderConfig, b: int, t: int, c: int, shards: int, replicas: int) -> Term:
     """What the LM head gathers under ZeRO-3. A ``d``-sharded table is gathered whole: ``2 c V d`` (the lookup's
     copy and the head's, one table twice when tied). A vocabulary-sharded table is gathered only when it is smaller
     than the devices' activations (``V d <= N b T d``); otherwise the partitioner gathers the activations, ``c N b T
-    d`` (:func:`gathers_activations`)."""
+    d``, and each device computes the logits of all ``N b`` sequences for its ``V / F`` rows (the same bytes)."""
     v, d, n = config.vocab, config.d_model, shards * replicas
-    if not gathers_activations(config, b, t, shards, replicas):
+    if table_sharded_along_d(config, shards) or v * d <= n * b * t * d:
         return Term("embedding table + LM head, gathered", "LM head", 2 * c * v * d, "2 c V d (ZeRO-3)")
     return Term("activations gathered for the vocabulary-sharded head", "LM head", c * n * b * t * d,
                 "c N b T d (V d > N b T d)")
@@ -160,12 +152,11 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
              b * t * v * logits_bytes(config, c), "b T V x (GPT-2: 2 c; Llama: 4 + 2 c)"),
     ]
     d_sharded = zero == 3 and table_sharded_along_d(config, shards)
-    data_axis = replicas > 1
     # a d-sharded (or unsharded) table's gradients are formed whole (the partitioner's scatter-add and the head's
     # product), a vocabulary-sharded one's in shards
     table_share = -(-v * d // shards) if gathered and not d_sharded else v * d
     terms.append(Term("lookup + head table gradients, whole, compute precision", "table gradient",
-                      2 * c * v * d if d_sharded and data_axis else 0, "2 c V d (d-sharded table, data axis > 1)"))
+                      2 * c * v * d if d_sharded and replicas > 1 else 0, "2 c V d (d-sharded table, data axis > 1)"))
     terms.append(Term("DP: clipped + noised gradient shard", "block backward", 4 * -(-n_params // shards),
                       "4 ceil(Psi / F)"))
     terms.append(Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head",
