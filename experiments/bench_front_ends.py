@@ -10,7 +10,7 @@ the non-private step (``jax.value_and_grad`` of the mean loss) of the same proce
 
 Default workload: W3 of ``bench_overhead.py`` (vocab 8192, untied head, 4 layers, width 256, 4 heads, T 128, B 16).
 ``--gpt2-small``: ``bench_overhead.py``'s GPT-2 small workload (vocab 50257, 12 layers, width 768, T 256, B 32,
-bfloat16 parameters; ``bk`` only), for a GPU.
+bfloat16 parameters and computation; ``bk`` only), for a GPU.
 
 ``--model vit``: the bundled ViT (standard Flax layers: ``nnx.Conv`` patches, ``nnx.Linear`` /
 ``nnx.LayerNorm``, a bare class token and position table; the program front-end) against the same
@@ -90,9 +90,10 @@ def _gpt2_candidates(quick: bool, gpt2_small: bool = False):
     key = jax.random.key(0)
     modes = ("bk",) if gpt2_small else ("bk", "ghost")
     candidates = {}
-    for label, model, front_ends in (("", dz.models.GPT2(config, rngs=nnx.Rngs(0)), ("program",)),
-                                     ("dz.nn ", dz.models.GPT2(config, rngs=nnx.Rngs(0), layers=DP_LAYERS),
-                                      ("layers", "program"))):
+    compute = None if dtype == jnp.float32 else dtype     # a 16-bit model computes in 16 bits (not only stores)
+    for label, model, front_ends in (("", dz.models.GPT2(config, rngs=nnx.Rngs(0), dtype=compute), ("program",)),
+                                     ("dz.nn ", dz.models.GPT2(config, rngs=nnx.Rngs(0), layers=DP_LAYERS,
+                                                               dtype=compute), ("layers", "program"))):
         params, loss_fn = dz.models.lm_objective(model)
         params = jax.tree.map(lambda x: x.astype(dtype), params)
         base = f"{label}non-DP"

@@ -51,7 +51,9 @@ Targets (printed with PASS / FAIL at the end and stored in the JSON):
 Workloads (vocab 8192, untied head, 4 layers): W1 ``n_embd=512, n_head=8, T=64, B=16``; W2 ``n_embd=256,
 n_head=4, T=512, B=4``; W3 ``n_embd=256, n_head=4, T=128, B=16``. ``--quick`` replaces them by one tiny workload
 (a smoke test); ``--gpt2-small`` by GPT-2 small (124M + untied head, vocab 50257, T=256, B=32, bfloat16
-parameters -- for a GPU; falls back to float32 with a note if the library rejects bfloat16).
+parameters and computation -- for a GPU; falls back to float32 parameters with a note if the library rejects
+bfloat16). Before 2026-11-28 the bfloat16 workload computed in float32 (parameters stored in bfloat16, each cast up
+at its use: Flax's ``Embed`` keeps the dtype it was built with).
 
 How to run
 ----------
@@ -160,8 +162,9 @@ class Candidate:
     result: dict = dataclasses.field(default_factory=dict)
 
 
-def dp_config(name: str, batch_size: int, norm_method: str = "auto") -> dz.DPConfig:
-    common = dict(noise_multiplier=1.0, max_grad_norm=1.0, clip_fn="abadi", norm_method=norm_method)
+def dp_config(name: str, batch_size: int, norm_method: str = "auto", norm_kernel: str = "auto") -> dz.DPConfig:
+    common = dict(noise_multiplier=1.0, max_grad_norm=1.0, clip_fn="abadi", norm_method=norm_method,
+                  norm_kernel=norm_kernel)
     if name in ("auto", "bk", "ghost"):
         return dz.DPConfig(**common, groups="all-layer", mode=name)
     if name == "fused":
@@ -175,7 +178,8 @@ def describe_config(cfg: dz.DPConfig) -> str:
     return f"mode={cfg.mode}, groups={cfg.groups}{extra}"
 
 
-def make_steps(loss_fn, optimizer, names: list[str], batch_size: int, norm_method: str = "auto") -> list[Candidate]:
+def make_steps(loss_fn, optimizer, names: list[str], batch_size: int, norm_method: str = "auto",
+               norm_kernel: str = "auto") -> list[Candidate]:
     def non_dp_step(params, opt_state, batch, key):
         del key  # same signature as the DP steps
         loss, grads = jax.value_and_grad(lambda p: jnp.mean(loss_fn(p, batch)))(params)
@@ -194,7 +198,7 @@ def make_steps(loss_fn, optimizer, names: list[str], batch_size: int, norm_metho
 
     candidates = [Candidate(BASELINE, "jax.value_and_grad(mean loss)", non_dp_step)]
     for name in names:
-        cfg = dp_config(name, batch_size, norm_method)
+        cfg = dp_config(name, batch_size, norm_method, norm_kernel)
         candidates.append(Candidate(name, describe_config(cfg), dp_step(cfg), cfg))
     return candidates
 
@@ -279,11 +283,14 @@ def make_workload(workload: Workload, seed: int = 0):
     config = dz.models.GPT2Config(vocab_size=workload.vocab_size, n_positions=workload.seq_len,
                                   n_embd=workload.n_embd, n_layer=workload.n_layer, n_head=workload.n_head,
                                   tie_word_embeddings=False)
+    # A 16-bit workload computes in that dtype: Flax's Embed fixes its dtype when it is built (float32 here), so
+    # casting the parameters afterwards alone would leave the whole model computing in float32.
+    compute = None if workload.dtype == "float32" else workload.dtype
     if workload.layers == "dz.nn":   # the same computation and parameters from dz.nn layers
         from dpzero_jax.models.transformer import DP_LAYERS
-        model = dz.models.GPT2(config, rngs=nnx.Rngs(seed), layers=DP_LAYERS)
+        model = dz.models.GPT2(config, rngs=nnx.Rngs(seed), layers=DP_LAYERS, dtype=compute)
     else:
-        model = dz.models.GPT2(config, rngs=nnx.Rngs(seed))
+        model = dz.models.GPT2(config, rngs=nnx.Rngs(seed), dtype=compute)
     params, loss_fn = dz.models.lm_objective(model)
     ids = jax.random.randint(jax.random.key(seed + 1), (workload.batch_size, workload.seq_len), 0,
                              workload.vocab_size, dtype=jnp.int32)
@@ -515,7 +522,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate after compiling (>= 1)")
     parser.add_argument("--quick", action="store_true", help="one tiny workload: a smoke test")
     parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small, T=256, B=32, bf16 (for a GPU)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype override")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="parameter and compute dtype override")
     parser.add_argument("--layers", choices=("flax", "dz.nn"), default="flax",
                         help="the bundled GPT2 (Flax's layers: the traced-program front-end) or the same model from "
                              "dz.nn layers (GPT2(layers=DP_LAYERS): the layers front-end)")

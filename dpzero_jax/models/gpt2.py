@@ -54,7 +54,9 @@ class GPT2Config:
 class GPT2(nnx.Module):
     """``input_ids [B, T] -> logits [B, T, vocab_size]``.
 
-    ``dtype``: the compute dtype of the activations (``None``: that of the weights, fp32); weights stay as stored.
+    ``dtype``: the compute dtype of the activations (``None``: that of the weights as built, fp32); weights stay as
+    stored. Casting the parameters to bfloat16 after building does not change it (Flax's ``Embed`` keeps the dtype
+    it was built with, and every later layer promotes to it): pass ``dtype`` to compute in 16 bits.
     ``layers``: the layer classes (:data:`~dpzero_jax.models.transformer.FLAX_LAYERS`, Flax's own: the traced-program
     front-end plans the private gradient, as for a user's model; ``DP_LAYERS``: the same computation and parameters
     from ``dz.nn`` layers, planned from the layers' calls).
