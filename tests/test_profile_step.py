@@ -1,0 +1,77 @@
+"""experiments/profile_step.py: kernels attributed to the Python lines that emitted them, and the benchmarks'
+16-bit workloads computing in 16 bits."""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
+
+import bench_overhead  # noqa: E402
+import profile_step  # noqa: E402
+
+
+def _tanh_of_product(a, b):
+    return jnp.tanh(a @ b).sum()
+
+
+def test_instructions_map_to_the_line_that_emitted_them():
+    compiled = jax.jit(_tanh_of_product).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile()
+    sources = profile_step.instruction_sources(compiled.as_text())
+    line = inspect.getsourcelines(_tanh_of_product)[1] + 1            # the body's line
+    here = os.path.abspath(__file__)
+    emitted = {(os.path.abspath(f), n) for f, n, _ in sources.values() if f != profile_step.NO_SOURCE}
+    assert (here, line) in emitted
+    assert profile_step.short_file(here) == "tests/test_profile_step.py"
+    assert profile_step.short_file("/x/site-packages/flax/nnx/nn/linear.py") == "flax/nnx/nn/linear.py"
+
+
+def test_profiled_operations_are_all_attributed(tmp_path):
+    fn = jax.jit(_tanh_of_product)
+    args = (jnp.ones((256, 256)), jnp.ones((256, 256)))
+    compiled = fn.lower(*args).compile()
+    compiled(*args).block_until_ready()
+    jax.profiler.start_trace(str(tmp_path))
+    try:
+        for _ in range(2):
+            compiled(*args).block_until_ready()
+    finally:
+        jax.profiler.stop_trace()
+    ops, where = profile_step.profiled_ops(str(tmp_path), "jit__tanh_of_product")
+    assert where == "host" and ops                                   # the CPU: thunk events
+    sources = profile_step.instruction_sources(compiled.as_text())
+    assert all(op in sources for op, _ in ops)
+    assert all(seconds >= 0 for _, seconds in ops)
+
+
+def test_a_bfloat16_workload_computes_in_bfloat16():
+    """Casting the parameters alone leaves the bundled GPT-2 computing in float32 (Flax's Embed keeps the dtype it
+    was built with); the benchmarks' 16-bit workloads pass the compute dtype."""
+    workload = bench_overhead.dataclasses.replace(bench_overhead.QUICK, dtype="bfloat16")
+    params, loss_fn, batch = bench_overhead.make_workload(workload)
+    params = bench_overhead.cast(params, jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda p: loss_fn(p, batch).mean())(params)
+    dots = collections.Counter(tuple(str(v.aval.dtype) for v in e.invars)
+                               for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general")
+    assert dots and set(dots) == {("bfloat16", "bfloat16")}
+
+
+@pytest.mark.slow
+def test_profile_step_quick_writes_its_table(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    profile_step.main(["--quick", "--modes", "auto", "--steps", "2", "--profile-steps", "1", "--out", str(out)])
+    rows = {row["candidate"]: row for row in json.loads(out.read_text())["candidates"]}
+    assert set(rows) == {"non-DP", "auto"}
+    auto = rows["auto"]["profile"]["seconds_per_step_by_file"]
+    assert any(name.startswith("dpzero_jax/pergrad.py") for name in auto)      # the norms and clipped sums
+    assert not any(name.startswith("dpzero_jax/pergrad.py") for name in rows["non-DP"]["profile"]
+                   ["seconds_per_step_by_file"])
+    assert "+auto ms" in capsys.readouterr().out
