@@ -222,7 +222,9 @@ def test_resolve_and_dispatch():
     f32, bf16 = jnp.zeros((1, 2, 3), jnp.float32), jnp.zeros((1, 2, 3), jnp.bfloat16)
     assert ghost_norm.has_kernel("gram", f32, backend="tpu")
     assert ghost_norm.has_kernel("gram", f32, backend="cpu")           # the TPU kernels, interpreted
-    assert not ghost_norm.has_kernel("gram", f32, backend="gpu")       # WGMMA kernels take 16-bit inputs
+    with pytest.warns(UserWarning, match="take 16-bit .* these are float32, so this per-example norm is computed "
+                      "by XLA"):
+        assert not ghost_norm.has_kernel("gram", f32, backend="gpu")   # WGMMA kernels take 16-bit inputs
     assert ghost_norm.has_kernel("instantiated", bf16, backend="gpu")
     assert not ghost_norm.has_kernel("weighted_sum", bf16, backend="gpu")
     assert not ghost_norm.has_kernel("gram", f32, implementation="xla", backend="tpu")

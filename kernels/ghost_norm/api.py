@@ -29,6 +29,7 @@ norms working). Inside ``jax.shard_map`` the kernels are batch-local: call them 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +75,16 @@ def _family(implementation: str, backend: str | None) -> tuple[str, bool]:
 
 def _kernel_family(op: str, arrays, implementation: str, backend: str | None) -> tuple[str, bool]:
     """``(family, interpret)`` for ``op`` on these (floating) arrays: GPU has no ``weighted_sum`` kernel and its
-    kernels take 16-bit inputs only; XLA is the fallback."""
+    kernels take 16-bit inputs only; XLA is the fallback. Asking for ``"pallas"`` on a GPU with wider operands warns
+    (once per message): the norms then run as XLA's, which a user who chose the kernels should know."""
     family, interpret = _family(implementation, backend)
-    if family == "gpu" and (op == "weighted_sum" or not _is_16bit(*arrays)):
+    if family == "gpu" and op == "weighted_sum":
+        return "xla", False
+    if family == "gpu" and not _is_16bit(*arrays):
+        dtypes = sorted({jnp.dtype(x.dtype).name for x in arrays})
+        warnings.warn(f"norm kernel 'pallas' on a GPU: the Mosaic GPU kernels take 16-bit (bfloat16 / float16) "
+                      f"operands, these are {', '.join(dtypes)}, so this per-example norm is computed by XLA instead "
+                      "(build the model with a 16-bit compute dtype to use the kernels)", stacklevel=2)
         return "xla", False
     return family, interpret
 
