@@ -332,8 +332,10 @@ def bench_workload(workload: Workload, names: list[str], rounds: int, warmup: in
         error = check_dtype(candidates, cast_params, optimizer.init(cast_params), batch, key)
         if error is None:
             params = cast_params
-        else:
+        else:   # the float32 model throughout (the one built above computes in the 16-bit dtype)
             notes.append(f"{dtype} parameters not supported ({error[:300]}); ran float32 instead")
+            params, loss_fn, batch = make_workload(dataclasses.replace(workload, dtype="float32"))
+            candidates = make_steps(loss_fn, optimizer, names, workload.batch_size, workload.norm_method)
             dtype = "float32"
     for candidate in candidates:
         if candidate.name == "auto":
