@@ -1,9 +1,9 @@
 """Where the private step's extra time goes: device time per source file, private step against the non-private one.
 
 ``bench_overhead.py`` says *how much* slower the private training step is; this script says *where*. It builds the
-same two full training steps as ``bench_overhead.py`` (same workloads, ``optax.adamw``, donated state): the
-non-private ``jax.value_and_grad`` step and one private candidate per ``--modes`` entry. Each is compiled, warmed
-up and then
+same full training steps as ``bench_overhead.py`` (its workloads, or with ``--depth`` the scanned decoder of
+``bench_depth.py``; ``optax.adamw``, donated state): the non-private ``jax.value_and_grad`` step and one private
+candidate per ``--modes`` entry. Each is compiled, warmed up and then
 
 * **timed**: ``--steps`` steps per candidate, round-robin, median step time and its ratio to the non-private step;
 * **profiled**: ``--profile-steps`` steps under ``jax.profiler.trace``; every executed operation of the step's XLA
@@ -33,6 +33,7 @@ How to run
 
     python experiments/profile_step.py --quick                   # smoke test on the CPU, ~1 minute
     python experiments/profile_step.py --gpt2-small --modes auto  # on a GPU (bench_overhead's GPT-2 small workload)
+    python experiments/profile_step.py --depth 48                 # bench_depth's decoder, 48 scanned blocks
 
 Results: ``--out`` (default ``experiments/results/profile_step_<backend>[_quick|_gpt2small].json``); ``--trace-dir``
 keeps the raw profiles (``*.xplane.pb``, readable by XProf / TensorBoard).
@@ -189,14 +190,29 @@ def profile_candidate(candidate, batch, key, steps: int, trace_dir: str) -> dict
             "profiled_seconds_per_step": sum(per_file.values())}
 
 
-def run(workload, names: list[str], steps: int, profile_steps: int, trace_root: str, norm_kernel: str) -> dict:
-    print(f"\n=== {workload.describe()}", flush=True)
-    params, loss_fn, batch = bo.make_workload(workload)
-    if workload.dtype != "float32":
-        params = bo.cast(params, jnp.dtype(workload.dtype))
+def depth_workload(layers: int):
+    """``bench_depth.py``'s scanned decoder (flax.linen, ``nn.scan`` over ``layers`` blocks, width 64, T 64, B 4):
+    ``(title, params, loss_fn, batch, batch size)``."""
+    import bench_depth
+    params, batch, loss_fn = bench_depth.setup(layers, scan=True)
+    title = (f"bench_depth decoder: {layers} scanned blocks, width {bench_depth.WIDTH}, T {bench_depth.SEQ}, "
+             f"B {bench_depth.BATCH}, vocab {bench_depth.VOCAB} (tied), float32")
+    return title, params, loss_fn, batch, bench_depth.BATCH
+
+
+def run(workload, names: list[str], steps: int, profile_steps: int, trace_root: str, norm_kernel: str,
+        depth: int | None = None) -> dict:
+    if depth is None:
+        title, batch_size = workload.describe(), workload.batch_size
+        params, loss_fn, batch = bo.make_workload(workload)
+        if workload.dtype != "float32":
+            params = bo.cast(params, jnp.dtype(workload.dtype))
+    else:
+        title, params, loss_fn, batch, batch_size = depth_workload(depth)
+    print(f"\n=== {title}", flush=True)
     optimizer = optax.adamw(1e-4)
     key = jax.random.key(42)
-    candidates = bo.make_steps(loss_fn, optimizer, names, workload.batch_size, workload.norm_method, norm_kernel)
+    candidates = bo.make_steps(loss_fn, optimizer, names, batch_size, workload.norm_method, norm_kernel)
     for candidate in candidates:
         candidate.step.__name__ = "step_" + re.sub(r"\W", "_", candidate.name)
         print(f"  compiling {candidate.name:<9} ({candidate.description}"
@@ -234,8 +250,9 @@ def run(workload, names: list[str], steps: int, profile_steps: int, trace_root: 
                      "time_ratio": median / base, "paired_ratio": paired, "times_s": candidate.times,
                      **candidate.result})
         candidate.state = candidate.compiled = None
-    return {"workload": workload.__dict__ if not hasattr(workload, "__dataclass_fields__")
-            else {k: getattr(workload, k) for k in workload.__dataclass_fields__}, "candidates": rows}
+    described = ({k: getattr(workload, k) for k in workload.__dataclass_fields__} if depth is None
+                 else {"depth": depth, "norm_method": workload.norm_method})
+    return {"workload": described, "title": title, "candidates": rows}
 
 
 def print_tables(result: dict, top: int) -> None:
@@ -271,6 +288,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="bench_overhead's tiny workload (a smoke test)")
     parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small, T 256, B 32, bfloat16 (a GPU)")
     parser.add_argument("--workload", default="W3", help="a bench_overhead workload (W1, W2, W3) otherwise")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="bench_depth.py's decoder scanned over this many blocks instead (issue 14's L = 48)")
     parser.add_argument("--norm-method", default="auto", help="DPConfig.norm_method of every private candidate")
     parser.add_argument("--norm-kernel", default="auto", choices=("auto", "xla", "pallas"),
                         help="DPConfig.norm_kernel of every private candidate")
@@ -296,10 +315,11 @@ def main(argv=None) -> int:
     print(f"backend={backend} device={jax.devices()[0].device_kind} jax={jax.__version__} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
-    result = run(workload, names, args.steps, args.profile_steps, trace_root, args.norm_kernel)
+    result = run(workload, names, args.steps, args.profile_steps, trace_root, args.norm_kernel, args.depth)
     result["norm_kernel"] = args.norm_kernel
     print_tables(result, args.top)
-    suffix = "_quick" if args.quick else "_gpt2small" if args.gpt2_small else f"_{workload.name}"
+    suffix = ("_quick" if args.quick else "_gpt2small" if args.gpt2_small else
+              f"_depth{args.depth}" if args.depth else f"_{workload.name}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"profile_step_{backend}{suffix}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
