@@ -51,7 +51,7 @@ Targets (printed with PASS / FAIL at the end and stored in the JSON):
 Workloads (vocab 8192, untied head, 4 layers): W1 ``n_embd=512, n_head=8, T=64, B=16``; W2 ``n_embd=256,
 n_head=4, T=512, B=4``; W3 ``n_embd=256, n_head=4, T=128, B=16``. ``--quick`` replaces them by one tiny workload
 (a smoke test); ``--gpt2-small`` by GPT-2 small (124M + untied head, vocab 50257, T=256, B=32, bfloat16
-parameters and computation -- for a GPU; falls back to float32 parameters with a note if the library rejects
+parameters and computation -- for a GPU; falls back to the float32 model with a note if the library rejects
 bfloat16). Before 2026-11-28 the bfloat16 workload computed in float32 (parameters stored in bfloat16, each cast up
 at its use: Flax's ``Embed`` keeps the dtype it was built with).
 
