@@ -50,7 +50,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -217,13 +216,7 @@ def run(workload, names: list[str], steps: int, profile_steps: int, trace_root: 
         candidate.step.__name__ = "step_" + re.sub(r"\W", "_", candidate.name)
         print(f"  compiling {candidate.name:<9} ({candidate.description}"
               f"{', norm_kernel=' + norm_kernel if candidate.cfg else ''})", flush=True)
-        candidate.state = (jax.tree.map(jnp.copy, params), optimizer.init(params))
-        start = time.perf_counter()
-        lowered = jax.jit(candidate.step, donate_argnums=(0, 1)).lower(*candidate.state, batch, key)
-        lowered_at = time.perf_counter()
-        candidate.compiled = lowered.compile()
-        candidate.result["trace_lower_s"] = lowered_at - start
-        candidate.result["xla_compile_s"] = time.perf_counter() - lowered_at
+        bo.compile_candidate(candidate, params, optimizer, batch, key)
         print(f"    lower {candidate.result['trace_lower_s']:.1f} s + compile "
               f"{candidate.result['xla_compile_s']:.1f} s", flush=True)
         for _ in range(2):
