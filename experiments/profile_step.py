@@ -15,9 +15,9 @@ candidate per ``--modes`` entry. Each is compiled, warmed up and then
 
 The table then shows, per source file, milliseconds per step in the non-private and in each private step, and the
 difference: the engine's own modules (``pergrad``, ``clipping``, ``noise``, ``dpzero_jax/program/*``) hold what
-private training adds -- except ``dpzero_jax/program/interpret.py``, which is the *model's* forward and backward as
-the program front-end replays them (its interpreter re-emits each primitive of the traced model, so XLA's metadata
-names the interpreter's line rather than the model's); optax's files show the update both steps do. Operations
+private training adds; the model's own files (``flax/...``, the script's) its forward and backward, which the
+program front-end re-emits under each traced operation's own source information (until 2026-11-28 they were
+attributed to ``dpzero_jax/program/interpret.py``); optax's files show the update both steps do. Operations
 with no source metadata (copies and layout changes XLA inserted, collectives) are grouped as ``(no source)``. The
 largest operations of each private step are listed by instruction too.
 

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,6 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import bench_overhead  # noqa: E402
 import profile_step  # noqa: E402
+
+import dpzero_jax as dz  # noqa: E402
 
 
 def _tanh_of_product(a, b):
@@ -32,6 +35,33 @@ def test_instructions_map_to_the_line_that_emitted_them():
     assert (here, line) in emitted
     assert profile_step.short_file(here) == "tests/test_profile_step.py"
     assert profile_step.short_file("/x/site-packages/flax/nnx/nn/linear.py") == "flax/nnx/nn/linear.py"
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + jnp.tanh(nn.Dense(8)(h)), None
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_the_program_front_end_keeps_the_models_source_lines(mode):
+    """The traced-program front-end re-emits the model's operations (inside ``nn.scan`` and ``nn.remat`` too) under
+    their own source information, so a profile or an HLO dump of the private step names the model's line."""
+    model = nn.scan(nn.remat(_Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()
+    x = jnp.ones((4, 5, 8))
+    params = model.init(jax.random.key(0), x, None)["params"]
+
+    def loss_fn(params, batch):
+        return jnp.mean(model.apply({"params": params}, batch["x"], None)[0] ** 2, axis=(1, 2))
+
+    dp = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4, mode=mode)
+    step = jax.jit(dz.private_value_and_grad(loss_fn, dp))
+    sources = profile_step.instruction_sources(step.lower(params, {"x": x}, jax.random.key(0)).compile().as_text())
+    line = inspect.getsourcelines(_Block.__call__)[1] + 2
+    tanh = {(os.path.abspath(f), n) for f, n, op in sources.values() if op.endswith("/tanh")}
+    assert tanh == {(os.path.abspath(__file__), line)}
+    dots = {profile_step.short_file(f) for f, _, op in sources.values() if op.endswith("/dot_general")}
+    assert "flax/linen/linear.py" in dots and "dpzero_jax/program/interpret.py" not in dots
 
 
 def test_profiled_operations_are_all_attributed(tmp_path):

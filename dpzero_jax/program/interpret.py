@@ -21,15 +21,19 @@ import functools
 
 import jax
 from jax.extend import core as jcore
+from jax.extend import source_info_util
 
 from dpzero_jax.program import zero3
 from dpzero_jax.program.analyze import REMAT, Analysis, _sub_jaxpr
 
 
 def bind(eqn, invals) -> list:
-    """Apply one equation to values (what ``jax.core.eval_jaxpr`` does for it)."""
+    """Apply one equation to values (what ``jax.core.eval_jaxpr`` does for it), under the equation's own source
+    information: the user's traceback and name stack (e.g. ``Block_0/Dense_0``), so that the re-emitted operation's
+    XLA metadata -- and so profiles, HLO dumps and errors -- name the model's line, not the interpreter's."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
