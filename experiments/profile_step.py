@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -58,7 +59,8 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import bench_overhead as bo  # noqa: E402
+import bench_overhead  # noqa: E402
+import overhead_steps as overhead  # noqa: E402
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _SOURCE_FILE = re.compile(r'source_file="([^"]*)"')
@@ -165,7 +167,7 @@ def profile_candidate(candidate, batch, key, steps: int, trace_dir: str) -> dict
     jax.profiler.start_trace(trace_dir)
     try:
         for _ in range(steps):
-            bo.run_step(candidate, batch, key)
+            overhead.run_step(candidate, batch, key)
     finally:
         jax.profiler.stop_trace()
     ops, where = profiled_ops(trace_dir, module_name)
@@ -203,27 +205,27 @@ def run(workload, names: list[str], steps: int, profile_steps: int, trace_root: 
         depth: int | None = None) -> dict:
     if depth is None:
         title, batch_size = workload.describe(), workload.batch_size
-        params, loss_fn, batch = bo.make_workload(workload)
+        params, loss_fn, batch = overhead.make_workload(workload)
         if workload.dtype != "float32":
-            params = bo.cast(params, jnp.dtype(workload.dtype))
+            params = overhead.cast(params, jnp.dtype(workload.dtype))
     else:
         title, params, loss_fn, batch, batch_size = depth_workload(depth)
     print(f"\n=== {title}", flush=True)
     optimizer = optax.adamw(1e-4)
     key = jax.random.key(42)
-    candidates = bo.make_steps(loss_fn, optimizer, names, batch_size, workload.norm_method, norm_kernel)
+    candidates = overhead.make_steps(loss_fn, optimizer, names, batch_size, workload.norm_method, norm_kernel)
     for candidate in candidates:
         candidate.step.__name__ = "step_" + re.sub(r"\W", "_", candidate.name)
         print(f"  compiling {candidate.name:<9} ({candidate.description}"
               f"{', norm_kernel=' + norm_kernel if candidate.cfg else ''})", flush=True)
-        bo.compile_candidate(candidate, params, optimizer, batch, key)
+        overhead.compile_candidate(candidate, params, optimizer, batch, key)
         print(f"    lower {candidate.result['trace_lower_s']:.1f} s + compile "
               f"{candidate.result['xla_compile_s']:.1f} s", flush=True)
         for _ in range(2):
-            bo.run_step(candidate, batch, key)
+            overhead.run_step(candidate, batch, key)
     for r in range(steps):
         for candidate in candidates[r % len(candidates):] + candidates[:r % len(candidates)]:
-            candidate.times.append(bo.run_step(candidate, batch, key)[0])
+            candidate.times.append(overhead.run_step(candidate, batch, key)[0])
     for candidate in candidates:
         print(f"  profiling {candidate.name}", flush=True)
         try:
@@ -293,18 +295,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in names if m not in bo.DP_CANDIDATES]
+    unknown = [m for m in names if m not in overhead.DP_CANDIDATES]
     if unknown:
-        parser.error(f"unknown modes {unknown}; expected some of {bo.DP_CANDIDATES}")
+        parser.error(f"unknown modes {unknown}; expected some of {overhead.DP_CANDIDATES}")
     if args.steps < 1 or args.profile_steps < 1:
         parser.error("--steps and --profile-steps must be >= 1")
-    workload = bo.QUICK if args.quick else bo.GPT2_SMALL if args.gpt2_small else bo.WORKLOADS.get(args.workload)
+    workload = (overhead.QUICK if args.quick else overhead.GPT2_SMALL if args.gpt2_small
+                else overhead.WORKLOADS.get(args.workload))
     if workload is None:
-        parser.error(f"unknown workload {args.workload!r}; expected one of {list(bo.WORKLOADS)}")
-    workload = bo.dataclasses.replace(workload, norm_method=args.norm_method)
+        parser.error(f"unknown workload {args.workload!r}; expected one of {list(overhead.WORKLOADS)}")
+    workload = dataclasses.replace(workload, norm_method=args.norm_method)
     backend = jax.default_backend()
-    version = bo.library_version()
-    print(bo.describe_version(version))
+    version = bench_overhead.library_version()
+    print(bench_overhead.describe_version(version))
     print(f"backend={backend} device={jax.devices()[0].device_kind} jax={jax.__version__} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="profile_step_")

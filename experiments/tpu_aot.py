@@ -63,15 +63,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_compiled import (  # noqa: E402  (a sibling script, imported without JAX)
-    CHIPS,
-    GIB,
-    _is_oom,
-    load,
-    peak_bytes,
-    require_libtpu,
-    save,
-)
+from bench_compiled import load, save  # noqa: E402  (a sibling script, imported without JAX)
+from compiled_steps import CHIPS, GIB, is_oom, peak_bytes, require_libtpu  # noqa: E402
 from hlo_text import array_bytes, collective_shapes, loop_trip_counts, matmul_flops, parse_collectives  # noqa: E402
 from tpu_buffers import read_dump  # noqa: E402
 
@@ -441,7 +434,7 @@ def run_point(data: dict, path: str, case: Case, variant: str, strategy: str, re
         if dump:
             clear_dump(dump)   # a refused compile's files must not be read as the next point's
         text = str(error).strip()
-        result = {"failed": "oom" if _is_oom(error) else "error", "message": " ".join(text.split())[:3000]}
+        result = {"failed": "oom" if is_oom(error) else "error", "message": " ".join(text.split())[:3000]}
         result.update(refusal(text))
         print(f"  failed ({result['failed']}): {result['message'][:300]}", flush=True)
     result.update(topology=case.topology, remat=remat, T=case.T, examples_per_chip=case.B)

@@ -51,7 +51,7 @@ def compile_in_child(model: str, T: int, B: int, candidate: str) -> dict:
     """Compile one point in a child process with the dump enabled; the child prints memory_analysis() as JSON."""
     with tempfile.TemporaryDirectory() as directory:
         env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={directory}", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        code = ("import json, sys; sys.path.insert(0, 'experiments'); import bench_compiled as bc; "
+        code = ("import json, sys; sys.path.insert(0, 'experiments'); import compiled_steps as bc; "
                 f"shape = bc.{model}({T}, {B}); compiled = bc.compile_candidate({candidate!r}, shape, "
                 "bc.mesh_for('v5e:2x2'))[0]; m = compiled.memory_analysis(); "
                 "print('RESULT', json.dumps({'temp_bytes': m.temp_size_in_bytes, 'argument_bytes': "

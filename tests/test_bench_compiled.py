@@ -1,6 +1,7 @@
-"""experiments/bench_compiled.py: its HLO collective parser (everywhere, on CPU programs) and its smoke run (only where
-libtpu is installed: the benchmark compiles for TPU ahead of time; the default test environment has no libtpu and
-must not import it, since it changes JAX's start-up)."""
+"""experiments/bench_compiled.py with its steps (compiled_steps.py) and HLO reader (hlo_text.py): the collective
+parser (everywhere, on CPU programs) and the smoke run (only where libtpu is installed: the benchmark compiles for
+TPU ahead of time; the default test environment has no libtpu and must not import it, since it changes JAX's
+start-up)."""
 
 import importlib.util
 import json
@@ -22,6 +23,8 @@ _SPEC = importlib.util.spec_from_file_location("bench_compiled", _PATH)
 bench = importlib.util.module_from_spec(_SPEC)
 sys.modules.setdefault("bench_compiled", bench)  # its dataclasses look their module up by name
 _SPEC.loader.exec_module(bench)
+import compiled_steps as steps  # noqa: E402  (experiments/, on the path bench_compiled put it on)
+import hlo_text  # noqa: E402
 
 
 def test_parser_on_written_hlo_lines():
@@ -35,7 +38,7 @@ def test_parser_on_written_hlo_lines():
         "  %rs = f32[32]{0} reduce-scatter(%z), dimensions={0}, to_apply=%add",
         "  %not = f32[999]{0} add(%all-reduce.1, %p)",
     ])
-    found = bench.parse_collectives(text)
+    found = hlo_text.parse_collectives(text)
     assert found["all-reduce"] == {"count": 2, "bytes": 128 * 4 + 4 * 8 * 4 + 16 * 2}
     assert found["all-gather"] == {"count": 1, "bytes": 8 * 64 * 4}
     assert found["collective-permute"] == {"count": 1, "bytes": 40}
@@ -77,9 +80,9 @@ def test_parser_counts_an_async_collective_split_over_three_fusions_once():
         "  ROOT %async-collective-done.1 = bf16[1,64,128] fusion(%p), kind=kCustom, calls=%fused_computation.3",
         "}",
     ])
-    found = bench.parse_collectives(text)
+    found = hlo_text.parse_collectives(text)
     assert found == {"all-gather": {"count": 2, "bytes": 64 * 128 * 2 + 32 * 4}}
-    assert bench.collective_shapes(text) == ["all-gather bf16[1,64,128]", "all-gather f32[32]"]
+    assert hlo_text.collective_shapes(text) == ["all-gather bf16[1,64,128]", "all-gather f32[32]"]
 
 
 def test_parser_on_a_compiled_cpu_program():
@@ -97,15 +100,15 @@ def test_parser_on_a_compiled_cpu_program():
                                 check_vma=False))
     x = jax.ShapeDtypeStruct((4 * 256,), jnp.float32)   # f32[256] per device
     y = jax.ShapeDtypeStruct((8, 64), jnp.float32)
-    found = bench.parse_collectives(f.lower(x, y).compile().as_text())
+    found = hlo_text.parse_collectives(f.lower(x, y).compile().as_text())
     assert found["all-reduce"]["count"] == 1 and found["all-reduce"]["bytes"] == 256 * 4
     assert found["all-gather"]["count"] == 1 and found["all-gather"]["bytes"] == 8 * 64 * 4
 
 
 def test_missing_libtpu_message(monkeypatch):
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(steps.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match=r"tpu-aot"):
-        bench.require_libtpu()
+        steps.require_libtpu()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -144,7 +147,7 @@ def test_large_buffers_skips_fusions_and_aliases():
         "  ROOT %dot = f32[8,1024,512]{2,1,0} convolution(%fusion, %w), dim_labels=b01f_01io->b01f",
         "}",
     ])
-    assert bench.large_buffers(text, 8 * 1024 * 512 * 4 // 2) == {"fusion": 1, "convolution": 1}
+    assert hlo_text.large_buffers(text, 8 * 1024 * 512 * 4 // 2) == {"fusion": 1, "convolution": 1}
 
 
 def test_fit_criteria():
@@ -183,15 +186,15 @@ def test_llama_style_shape_builds_and_runs_on_the_program_front_end():
     same tree as the non-private one."""
     import dataclasses
 
-    shape = bench.llama(1024, 4)
+    shape = steps.llama(1024, 4)
     assert shape.key().startswith("llama-unrolled-kv4-mlp2048-L12-d768-V32000-T1024-B4") and shape in bench.FULL_EXTRA
     tiny = dataclasses.replace(shape, n_layer=2, d=64, heads=4, kv_heads=2, mlp=128, vocab=256, T=16, B=2)
-    assert bench.resolved_auto(tiny) == {"host": "bk", "v5e_chip": "bk"}
-    graphdef, params, rest, trainable = bench.build(tiny)
+    assert steps.resolved_auto(tiny) == {"host": "bk", "v5e_chip": "bk"}
+    graphdef, params, rest, trainable = steps.build(tiny)
     batch = {"input_ids": jax.ShapeDtypeStruct((tiny.B, tiny.T), jnp.int32)}
     trees = {}
     for candidate in ("nonprivate", "auto_bf16"):
-        losses, grads = jax.eval_shape(bench.make_step(candidate, graphdef, trainable, tiny.B), params, rest, batch, 0)
+        losses, grads = jax.eval_shape(steps.make_step(candidate, graphdef, trainable, tiny.B), params, rest, batch, 0)
         assert losses.shape == (tiny.B,)
         trees[candidate] = jax.tree.map(lambda g: (g.shape, g.dtype), grads)
     assert trees["auto_bf16"] == trees["nonprivate"] == jax.tree.map(lambda p: (p.shape, p.dtype), params)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import json
 import os
@@ -16,7 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
 
-import bench_overhead  # noqa: E402
+import overhead_steps  # noqa: E402
 import profile_step  # noqa: E402
 
 import dpzero_jax as dz  # noqa: E402
@@ -85,9 +86,9 @@ def test_profiled_operations_are_all_attributed(tmp_path):
 def test_a_bfloat16_workload_computes_in_bfloat16():
     """Casting the parameters alone leaves the bundled GPT-2 computing in float32 (Flax's Embed keeps the dtype it
     was built with); the benchmarks' 16-bit workloads pass the compute dtype."""
-    workload = bench_overhead.dataclasses.replace(bench_overhead.QUICK, dtype="bfloat16")
-    params, loss_fn, batch = bench_overhead.make_workload(workload)
-    params = bench_overhead.cast(params, jnp.bfloat16)
+    workload = dataclasses.replace(overhead_steps.QUICK, dtype="bfloat16")
+    params, loss_fn, batch = overhead_steps.make_workload(workload)
+    params = overhead_steps.cast(params, jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda p: loss_fn(p, batch).mean())(params)
     dots = collections.Counter(tuple(str(v.aval.dtype) for v in e.invars)
                                for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general")
