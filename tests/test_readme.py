@@ -24,6 +24,9 @@ def test_readme_python_example_runs():
 @pytest.mark.slow   # compiles a ViT and an RMM model: about a minute on a busy 2-core CPU
 @pytest.mark.parametrize("name, index, code", BLOCKS[1:] if BLOCKS and BLOCKS[0][:2] == ("README.md", 0) else BLOCKS,
                          ids=lambda v: str(v)[:20])
-def test_every_python_block_runs_on_its_own(name, index, code):
+def test_every_python_block_runs_on_its_own(name, index, code, tmp_path, monkeypatch):
+    # in a fresh directory: blocks that train write their run directory (e.g. runs/audit) relative to it, and a
+    # second run of the suite would otherwise find the first one's outputs there and refuse to start anew
+    monkeypatch.chdir(tmp_path)
     namespace = {}
     exec(compile(code, f"{name} block {index}", "exec"), namespace)   # a fresh namespace: no block relies on another
