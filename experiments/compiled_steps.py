@@ -105,7 +105,7 @@ class Shape:
     tied: bool = True
     vocab: int = 50304
     lora_rank: int = 0         # > 0: LoRA adapters on every dense layer (peft.apply), only they are trained
-    family: str = "gpt2"       # "gpt2": the bundled GPT2 (dz.nn layers); "llama": models.Llama (Flax layers, unrolled)
+    family: str = "gpt2"       # "gpt2": the bundled GPT2; "llama": models.Llama (both Flax layers, unrolled)
     kv_heads: int = 0          # llama: key/value heads (grouped-query attention)
     mlp: int = 0               # llama: the SwiGLU MLP's width
 

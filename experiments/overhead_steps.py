@@ -1,8 +1,7 @@
 """The training steps ``bench_overhead.py`` compares and how one is measured: the GPT-2 workloads (``W1``-``W3``, the
 quick smoke shape, GPT-2 small for a GPU), the non-private ``jax.value_and_grad`` step and one private step per
 candidate (``dpzero_jax.private_value_and_grad`` in a mode, then ``optax``), each compiled with its trace, lower
-and XLA compile times, its compiled memory and cost, and one timed step. Shared with ``profile_step.py`` and
-``bench_front_ends.py``.
+and XLA compile times, its compiled memory and cost, and one timed step. Shared with ``profile_step.py``.
 """
 
 from __future__ import annotations

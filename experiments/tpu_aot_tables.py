@@ -5,7 +5,11 @@ text from the cached JSON: no JAX."""
 
 from __future__ import annotations
 
-GIB = 1 << 30
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compiled_steps import GIB  # noqa: E402  (a sibling module; imports JAX only inside its functions)
 
 
 def gib(value) -> str:
