@@ -116,11 +116,13 @@ class DPConfig:
     expected_batch_size: the divisor of the noised sum; ``None`` uses the (static) batch size B.
     microbatch_size: examples per chunk in ``vmap`` and ``bk`` modes (``None``: the whole batch at once).
     gamma: the stability constant of automatic clipping.
-    noise_rng: ``"blocked"`` (XLA's fused bit generator, block by block in place; fastest on a CPU), ``"partitionable"``
-        (``jax.random``'s partitionable Threefry: every coordinate's noise depends only on the key and its global
-        index, so a sharded gradient is noised shard by shard, on its owner, and the noise is the same on any number
-        of devices; one fused computation per leaf, what a GPU or TPU needs) or ``"auto"`` (default: ``"blocked"``
-        when ``target`` is the CPU, else ``"partitionable"``). See :mod:`dpzero_jax.noise`.
+    noise_rng: how the noise is computed -- not what it is: leaf ``j`` gets ``jax.random.normal(fold_in(key, j),
+        leaf.shape)`` (partitionable Threefry: every coordinate's noise depends only on the key and its index in the
+        leaf, so it is the same on any backend, sharding or number of devices) either way. ``"blocked"``: one loop
+        over blocks, in place, with Threefry written as fused elementwise operations (fastest on a CPU);
+        ``"partitionable"``: ``jax.random.normal`` per leaf, one fused computation per leaf (what a GPU or TPU
+        needs; a sharded gradient is noised shard by shard, on its owner); ``"auto"`` (default): ``"blocked"``
+        when ``target`` is the CPU, else ``"partitionable"``. See :mod:`dpzero_jax.noise`.
     group_thresholds: explicit ``(R_1..R_M)`` instead of ``R / sqrt(M)``.
     front_end: where the plan comes from. ``"layers"``: the calls of ``dpzero_jax`` layers (every mode, ZeRO-3
         layer-by-layer gathering, RMM); ``"program"``: the traced program of any JAX model (flax.nnx, flax.linen,

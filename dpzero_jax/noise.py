@@ -1,22 +1,27 @@
 """Noise: the Gaussian mechanism on the clipped gradient sum, and the normalisation by the expected batch size.
 
 ``G = (sum_i C_i g_i + std * N(0, I)) / expected_batch_size`` with ``std = noise_multiplier * ||(R_1..R_M)||``.
-Leaf ``j`` of the gradient pytree draws its noise from ``jax.random.fold_in(key, j)`` (with the blocked generator,
-the small leaves together from ``fold_in(key, number of leaves)``; see :func:`add_noise_and_normalise`), so every
-coordinate is drawn exactly once from the key the caller passes. Two generators (``DPConfig.noise_rng``; its default
-``"auto"`` is ``"blocked"`` on a CPU and ``"partitionable"`` on a GPU or TPU, see :func:`resolve_rng`):
+Leaf ``j`` of the gradient pytree gets ``jax.random.normal(jax.random.fold_in(key, j), leaf.shape)`` -- JAX's
+partitionable Threefry (``jax_threefry_partitionable``, on by default), whose bits for a coordinate are a function of
+``(key, the coordinate's index in the leaf)`` only -- so every coordinate is drawn exactly once from the key the
+caller passes, and the noise, hence the update, is the same on any backend, on 1, 2, 4 or 8 devices and under any
+sharding. Two ways of computing those same values (``DPConfig.noise_rng``; its default ``"auto"`` is ``"blocked"``
+on a CPU and ``"partitionable"`` on a GPU or TPU, see :func:`resolve_rng`):
 
-* ``"blocked"``: XLA's ``RngBitGenerator`` (Threefry), block by block in place (:func:`standard_normal`); fastest on
-  one device, but its values depend on the block layout, not on a coordinate's global index.
-* ``"partitionable"``: ``jax.random.normal`` with JAX's partitionable Threefry (``jax_threefry_partitionable``,
-  on by default): the bits of a coordinate are a function of ``(key, global index)`` only. Under ``jax.jit`` with a
-  sharded gradient, each device draws exactly its own shard (no communication, nothing drawn twice) and the
-  noise -- hence the update -- is identical on 1, 2, 4 or 8 devices. The sharded trainer uses it.
-Dividing by the *expected* batch size (not the realised one, which depends on the data) keeps the sensitivity
-analysis exact under Poisson sampling.
+* ``"blocked"``: Threefry on the coordinates' counters written out as elementwise operations
+  (:func:`threefry_2x32`, :func:`normal_at`), one loop over blocks of ``NOISE_BLOCK`` coordinates updated in place
+  (:func:`_noised_in_blocks`); fastest on one CPU, no gradient-sized temporary, one generator in the program;
+* ``"partitionable"``: ``jax.random.normal`` per leaf, one elementwise computation that XLA fuses into the noised
+  update; under ``jax.jit`` with a sharded gradient each device draws exactly its own shard.
+
+(A key of another PRNG implementation than Threefry is drawn by ``jax.random.normal`` either way.) Dividing by the
+*expected* batch size (not the realised one, which depends on the data) keeps the sensitivity analysis exact under
+Poisson sampling.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,22 +43,16 @@ def _bit_generator_state(key: jax.Array) -> jax.Array:
 
 def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniform ``uint32`` bits of the given shape from XLA's ``RngBitGenerator`` (Threefry-2x32), a deterministic
-    function of ``key``; the source of :func:`standard_normal` (and of the random signs of
-    :mod:`dpzero_jax.sketch`)."""
+    function of ``key``: the random signs and Gaussian entries of :mod:`dpzero_jax.sketch` (not the privacy noise,
+    which :func:`add_noise_and_normalise` draws)."""
     _, bits = jax.lax.rng_bit_generator(_bit_generator_state(key), shape, jnp.uint32,
                                         algorithm=jax.lax.RandomAlgorithm.RNG_THREE_FRY)
     return bits
 
 
 def standard_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """``N(0, 1)`` float32 samples, a deterministic function of ``key``.
-
-    Bits come from XLA's ``RngBitGenerator`` with the Threefry-2x32 algorithm (the same generator as
-    ``jax.random``'s default, expanded by XLA into one fused loop); they become normals exactly as in
-    ``jax.random.normal``: a uniform on (-1, 1) from the top 23 bits, then ``sqrt(2) * erfinv``. On XLA:CPU this is
-    about 3x faster than ``jax.random.normal`` and needs no temporary buffer, which matters because the noise has
-    as many coordinates as the model has parameters.
-    """
+    """``N(0, 1)`` float32 samples from :func:`random_bits`, mapped to normals as ``jax.random.normal`` maps its bits
+    (a uniform on (-1, 1) from the top 23 bits, then ``sqrt(2) * erfinv``): the Gaussian sketch's entries."""
     bits = random_bits(key, shape)
     unit = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0   # [0, 1)
     lowest = jnp.nextafter(jnp.float32(-1.0), jnp.float32(0.0))
@@ -65,15 +64,15 @@ NOISE_RNG_OPTIONS = ("auto", *NOISE_RNGS)
 
 
 def resolve_rng(rng: str, target: str | None = None) -> str:
-    """The generator ``rng`` names; ``"auto"``: ``"blocked"`` when the step runs on a CPU (``target``; ``None``:
-    ``jax.default_backend()``), ``"partitionable"`` on a GPU or TPU.
+    """How the noise is computed (both give the same values, see the module doc); ``"auto"``: ``"blocked"`` when the
+    step runs on a CPU (``target``; ``None``: ``jax.default_backend()``), ``"partitionable"`` on a GPU or TPU.
 
-    The blocked generator's loop over ``NOISE_BLOCK``-element blocks runs one block after another: on XLA:CPU each
-    iteration is a fused loop over the block (about 3x faster than ``jax.random.normal``, no temporary), but on a GPU
-    every iteration is a handful of tiny kernels -- GPT-2 small's 163M coordinates are 2,479 iterations, measured on an
-    H200 at 1.3 s a step against 31 ms for the whole non-private step (``docs/benchmarks/gpu.md``). The partitionable
-    generator is one elementwise computation per leaf, fused into the noised update. With
-    ``jax_threefry_partitionable`` turned off, ``"auto"`` is ``"blocked"`` everywhere.
+    The blocked loop runs one block after another: on XLA:CPU each iteration is one fused, vectorised loop over the
+    block (about 3x faster than ``jax.random.normal`` there, no temporary), but on a GPU every iteration is a handful
+    of tiny kernels -- GPT-2 small's 163M coordinates are 2,479 iterations, measured on an H200 at 1.3 s a step
+    against 31 ms for the whole non-private step (``docs/benchmarks/gpu.md``). ``jax.random.normal`` is one
+    elementwise computation per leaf, fused into the noised update. With ``jax_threefry_partitionable`` turned off
+    (``jax.random.normal`` then draws other values), ``"auto"`` is ``"blocked"`` everywhere.
     """
     if rng not in NOISE_RNG_OPTIONS:
         raise ValueError(f"noise rng must be one of {NOISE_RNG_OPTIONS}, got {rng!r}")
@@ -84,16 +83,9 @@ def resolve_rng(rng: str, target: str | None = None) -> str:
 
 
 def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_size: float, rng: str = "auto"):
-    """``(clipped_sum + std * N(0, I)) / expected_batch_size`` leaf by leaf.
-
-    ``rng``: see :func:`resolve_rng` (``"auto"``: by ``jax.default_backend()``). With ``"partitionable"``, leaf
-    ``j`` draws from ``fold_in(key, j)``. With ``"blocked"``, the leaves of at most ``NOISE_BLOCK`` elements are
-    concatenated in flatten order into one vector ``s`` whose key is ``fold_in(key, number of leaves)``; the other
-    leaves keep ``fold_in(key, j)``. When ``s`` is the only vector and has at most ``NOISE_BLOCK`` elements, it is
-    one draw from its key; otherwise ``s`` and every large leaf are drawn block by block in place (block ``c`` from
-    ``fold_in(its key, c)``) by one loop (:func:`_noised_vectors`). Every coordinate is drawn exactly once.
-    Computed in float32 and cast back to each leaf's dtype.
-    """
+    """``(clipped_sum + std * N(0, I)) / expected_batch_size`` leaf by leaf, leaf ``j``'s noise
+    ``jax.random.normal(fold_in(key, j), leaf.shape)`` whichever ``rng`` computes it (see :func:`resolve_rng`;
+    ``"auto"``: by ``jax.default_backend()``). Computed in float32 and cast back to each leaf's dtype."""
     rng = resolve_rng(rng)
     if rng == "partitionable" and not jax.config.jax_threefry_partitionable:
         raise ValueError("noise_rng='partitionable' needs jax.config.jax_threefry_partitionable=True (the default); "
@@ -101,30 +93,17 @@ def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_siz
     leaves, treedef = jax.tree.flatten(clipped_sum)
     if not leaves:
         return clipped_sum
-    if rng == "partitionable":
+    if rng == "partitionable" or not _is_threefry(key):
         return jax.tree.unflatten(treedef, [
             _noised_leaf_partitionable(leaf, jax.random.fold_in(key, j), std, expected_batch_size).astype(leaf.dtype)
             for j, leaf in enumerate(leaves)])
-    small = [j for j, leaf in enumerate(leaves) if leaf.size <= NOISE_BLOCK]
-    large = [j for j, leaf in enumerate(leaves) if leaf.size > NOISE_BLOCK]
-    # The small leaves (biases, norm scales, small kernels) are drawn together as one more vector, from a key no leaf
-    # uses; with the large ones, everything comes from one generator (each costs ~0.5 s of XLA compile time on CPU).
-    vectors = [leaves[j] for j in large]
-    if small:
-        vectors.append(jnp.concatenate([leaves[j].reshape(-1).astype(jnp.float32) for j in small]))
-    if any(v.size > NOISE_BLOCK for v in vectors):
-        noised = _noised_vectors(vectors, key, large + [len(leaves)] * bool(small), std, expected_batch_size)
-    else:   # small leaves only, at most NOISE_BLOCK elements in all: one draw of exactly their size
-        normal = standard_normal(jax.random.fold_in(key, len(leaves)), vectors[0].shape)
-        noised = [(vectors[0] + std * normal) / expected_batch_size]
-    out = [None] * len(leaves)
-    for j, value in zip(large, noised):
-        out[j] = value.astype(leaves[j].dtype)
-    offset = 0
-    for j in small:
-        out[j] = noised[-1][offset:offset + leaves[j].size].reshape(leaves[j].shape).astype(leaves[j].dtype)
-        offset += leaves[j].size
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, _noised_in_blocks(leaves, key, std, expected_batch_size))
+
+
+def _is_threefry(key: jax.Array) -> bool:
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):   # a raw uint32 key: the default implementation
+        key = jax.random.wrap_key_data(key)
+    return str(jax.random.key_impl(key)) == "threefry2x32"
 
 
 def privatize(clipped_sum, key: jax.Array, noise_multiplier: float, sensitivity, expected_batch_size: float,
@@ -146,48 +125,139 @@ def _noised_leaf_partitionable(leaf: jax.Array, key: jax.Array, std, expected_ba
     return (leaf.astype(jnp.float32) + std * jax.random.normal(key, leaf.shape, jnp.float32)) / expected_batch_size
 
 
-NOISE_BLOCK = 1 << 16   # elements per draw for large leaves; part of the definition of the noise for a given key
+# --- Threefry on counters: the partitionable values, computed in blocks -------------------------------------------
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
-def _noised_vectors(leaves, key: jax.Array, indices, std, expected_batch_size: float) -> list[jax.Array]:
-    """``(leaf + std * N(0, I)) / expected_batch_size`` in float32 for each of ``leaves``.
+def threefry_2x32(k0, k1, x0, x1):
+    """Threefry-2x32 with 20 rounds (Salmon et al., 2011): key words ``k0, k1``, counter words ``x0, x1`` (uint32,
+    broadcast together) -> two uint32 output words. The function ``jax.extend.random.threefry_2x32`` computes, written
+    as plain elementwise operations so that XLA:CPU fuses all 20 rounds into one vectorised loop (JAX's own lowering
+    runs its rounds as a loop over whole arrays, about 3x slower there)."""
+    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << jnp.uint32(r)) | (x1 >> jnp.uint32(32 - r))) ^ x0
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x0, x1
 
-    Each leaf is noised block by block in place, block ``c`` of ``leaves[j]`` (elements ``[c * NOISE_BLOCK, (c + 1)
-    * NOISE_BLOCK)`` of the flattened leaf) from ``fold_in(fold_in(key, indices[j]), c)``; a last partial block takes
-    the first elements of its draw. Drawing a large leaf in one go would make XLA keep a second copy of the gradient
-    alive. One loop visits the blocks of all the leaves with one generator in its body; the block's owner is updated
-    under a ``cond``, in place, on the flattened leaf itself (a float32 leaf is neither padded nor copied).
+
+_LOWEST = np.nextafter(np.float32(-1.0), np.float32(0.0))
+
+
+def normal_at(key_words, index) -> jax.Array:
+    """``N(0, 1)`` float32 values at flat positions ``index`` (uint32) of a draw keyed by ``key_words`` (uint32
+    ``(k0, k1)``, broadcast with ``index``): exactly ``jax.random.normal(key, shape).reshape(-1)[index]`` under
+    ``jax_threefry_partitionable`` (JAX's default), for draws of fewer than ``2**32`` elements. The bits of position
+    ``i`` are the XOR of Threefry's two output words for the counter ``(0, i)``; the top 23 become a uniform on
+    ``[nextafter(-1, 0), 1)``, mapped to a normal by ``sqrt(2) * erfinv`` -- JAX's own steps, one by one."""
+    k0, k1 = key_words
+    y0, y1 = threefry_2x32(k0, k1, jnp.zeros_like(index), index)
+    bits = y0 ^ y1
+    unit = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    uniform = jnp.maximum(_LOWEST, unit * (jnp.float32(1.0) - _LOWEST) + _LOWEST)
+    return jnp.float32(np.sqrt(2.0)) * jax.lax.erf_inv(uniform)
+
+
+NOISE_BLOCK = 1 << 16   # coordinates per iteration of the blocked loop (the values do not depend on it)
+
+
+def _leaf_key_words(key: jax.Array, count: int) -> jax.Array:
+    """``[count, 2]`` uint32: the key words of ``fold_in(key, j)`` for ``j < count``, derived in one computation
+    (one Threefry call per leaf would put ``count`` generators in the program: seconds of XLA:CPU compile time for a
+    model of a few hundred leaves)."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(count, dtype=jnp.uint32))
+    return jax.random.key_data(keys).astype(jnp.uint32).reshape(count, 2)
+
+
+def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -> list[jax.Array]:
+    """``(leaf + std * N(0, I)) / expected_batch_size`` in float32, cast back, for every leaf: leaf ``j``'s noise
+    :func:`normal_at` of ``fold_in(key, j)`` at each of its flat positions, as ``jax.random.normal`` would draw it.
+
+    The leaves of more than ``NOISE_BLOCK`` elements are *vectors* of their own (flattened, float32); the others are
+    concatenated in flatten order into one more vector whose every position carries its leaf's key words and its
+    position in that leaf. One ``fori_loop`` visits every block of every vector: it draws the block's
+    ``NOISE_BLOCK`` normals and updates the block's owner under a ``cond``, in place, on the flattened leaf itself
+    (a float32 leaf is neither padded nor copied; a last partial block is a static slice). So the program holds one
+    generator whatever the number of leaves (each costs ~0.3 s of XLA:CPU compile time), and the step's peak memory
+    stays at the non-DP level (drawing a large leaf in one go made XLA keep extra gradient-sized copies).
     """
-    flats = [leaf.reshape(-1).astype(jnp.float32) for leaf in leaves]
+    sizes = [math.prod(leaf.shape) for leaf in leaves]
+    if max(sizes) >= 2 ** 31:   # positions are uint32 counters, block starts int32 offsets
+        raise ValueError(f"the blocked noise generator draws leaves of fewer than 2**31 elements; a leaf has "
+                         f"{max(sizes)}: use DPConfig(noise_rng='partitionable')")
+    large = [j for j, n in enumerate(sizes) if n > NOISE_BLOCK]
+    small = [j for j, n in enumerate(sizes) if 0 < n <= NOISE_BLOCK]
+    flats = [leaves[j].reshape(-1).astype(jnp.float32) for j in large]
+    segments = [[(0, j)] for j in large]
+    if small:
+        flats.append(jnp.concatenate([leaves[j].reshape(-1).astype(jnp.float32) for j in small]))
+        offsets = np.cumsum([0] + [sizes[j] for j in small[:-1]])
+        segments.append([(int(o), j) for o, j in zip(offsets, small)])
+    out = [(leaf.astype(jnp.float32) / expected_batch_size).astype(leaf.dtype) for leaf in leaves]   # empty leaves
+    if not flats:
+        return out
+    # per vector: the key words of its first segment (a large leaf has one); per position of the small leaves'
+    # vector: its leaf's key words and its position in that leaf
+    leaf_words = _leaf_key_words(key, len(leaves))
+    first_words = leaf_words[jnp.asarray([s[0][1] for s in segments])]   # [vectors, 2]
     n_blocks = [-(-flat.size // NOISE_BLOCK) for flat in flats]
     owner = jnp.asarray(np.repeat(np.arange(len(flats)), n_blocks), jnp.int32)
-    leaf_index = jnp.asarray(np.repeat(np.asarray(indices), n_blocks), jnp.int32)
-    local = jnp.asarray(np.concatenate([np.arange(n) for n in n_blocks]), jnp.int32)
+    local = jnp.asarray(np.concatenate([np.arange(n) for n in n_blocks]), jnp.uint32)
+    iota = jnp.arange(NOISE_BLOCK, dtype=jnp.uint32)
+    small_vector = len(flats) - 1 if small else -1
+    if small:
+        padded = n_blocks[-1] * NOISE_BLOCK
+        segment = np.repeat(np.arange(len(small)), [sizes[j] for j in small])
+        segment = np.concatenate([segment, np.full(padded - segment.size, len(small) - 1)])
+        offsets = np.asarray([o for o, _ in segments[-1]])
+        small_words = leaf_words[jnp.asarray(np.asarray(small)[segment])]
+        small_index = jnp.asarray((np.arange(padded) - offsets[segment]).astype(np.uint32))
 
     def updater(size: int):
         full, tail = divmod(size, NOISE_BLOCK)
 
-        def full_block(flat, c, normal):
-            start = c * NOISE_BLOCK
+        def full_block(flat, start, normal):
             block = jax.lax.dynamic_slice(flat, (start,), (NOISE_BLOCK,))
             return jax.lax.dynamic_update_slice(flat, (block + std * normal) / expected_batch_size, (start,))
 
-        def last_block(flat, c, normal):
+        def last_block(flat, start, normal):
             return flat.at[full * NOISE_BLOCK:].set((flat[full * NOISE_BLOCK:] + std * normal[:tail])
                                                     / expected_batch_size)
         if not tail:
             return full_block
         if not full:
             return last_block
-        return lambda flat, c, normal: jax.lax.cond(c < full, full_block, last_block, flat, c, normal)
+        return lambda flat, start, normal: jax.lax.cond(start < full * NOISE_BLOCK, full_block, last_block, flat,
+                                                        start, normal)
 
     updaters = [updater(flat.size) for flat in flats]
 
     def noise_block(step, flats):
-        owner_now, c = owner[step], local[step]
-        normal = standard_normal(jax.random.fold_in(jax.random.fold_in(key, leaf_index[step]), c), (NOISE_BLOCK,))
-        return tuple(jax.lax.cond(owner_now == j, update, lambda f, c, n: f, flat, c, normal)
-                     for j, (flat, update) in enumerate(zip(flats, updaters)))
+        vector = owner[step]
+        start = local[step] * jnp.uint32(NOISE_BLOCK)
+        k0, k1, index = first_words[vector, 0], first_words[vector, 1], start + iota
+        if small:
+            in_small = vector == small_vector
+            at = jnp.where(in_small, start, 0).astype(jnp.int32)
+            k0 = jnp.where(in_small, jax.lax.dynamic_slice(small_words[:, 0], (at,), (NOISE_BLOCK,)), k0)
+            k1 = jnp.where(in_small, jax.lax.dynamic_slice(small_words[:, 1], (at,), (NOISE_BLOCK,)), k1)
+            index = jnp.where(in_small, jax.lax.dynamic_slice(small_index, (at,), (NOISE_BLOCK,)), index)
+        normal = normal_at((k0, k1), index)
+        start = start.astype(jnp.int32)
+        return tuple(jax.lax.cond(vector == v, update, lambda f, s, n: f, flat, start, normal)
+                     for v, (flat, update) in enumerate(zip(flats, updaters)))
 
     flats = jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(flats))
-    return [flat.reshape(leaf.shape) for flat, leaf in zip(flats, leaves)]
+    for j, flat in zip(large, flats):
+        out[j] = flat.reshape(leaves[j].shape).astype(leaves[j].dtype)
+    if small:
+        for (offset, j) in segments[-1]:
+            out[j] = flats[-1][offset:offset + sizes[j]].reshape(leaves[j].shape).astype(leaves[j].dtype)
+    return out

@@ -13,6 +13,7 @@ import reference as ref
 from helpers import B, Setup, build, mlp_batch, private_fn
 
 import dpzero_jax as dz
+from dpzero_jax.noise import NOISE_BLOCK
 
 
 @functools.cache
@@ -121,42 +122,68 @@ def test_noise_is_added_to_the_clipped_sum_once():
     check_gaussian(noise, 0.5 * r / 9.0)
 
 
-def test_blocked_noise_follows_its_documented_definition():
-    """With leaves above ``NOISE_BLOCK``: block ``c`` of large leaf ``j`` is ``standard_normal(fold_in(fold_in(key,
-    j), c))`` and the small leaves, concatenated, are block 0 of ``fold_in(key, number of leaves)``; without large
-    leaves the small ones are one draw from ``fold_in(key, number of leaves)``, or blocks of it when they hold more
-    than ``NOISE_BLOCK`` elements together. The reference draws each block here, one by one."""
+def test_threefry_is_jax_threefry_and_normal_at_is_jax_random_normal():
+    """The blocked generator's pieces against JAX's own: ``threefry_2x32`` word for word against
+    ``jax.extend.random.threefry_2x32`` (random keys and counters), and ``normal_at`` at every position of a draw
+    against ``jax.random.normal`` of that key and shape (partitionable Threefry, JAX's default), bit for bit."""
+    from jax.extend.random import threefry_2x32 as jax_threefry
+
     from dpzero_jax import noise
-    block = noise.NOISE_BLOCK
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, size=(6,), dtype=np.uint32)
+    counters = rng.integers(0, 2**32, size=(2, 1000), dtype=np.uint32)
+    expected = np.asarray(jax_threefry(jnp.asarray(words[:2]), jnp.asarray(counters.reshape(-1))))
+    y0, y1 = jax.jit(noise.threefry_2x32)(*[jnp.uint32(w) for w in words[:2]], *jnp.asarray(counters))
+    np.testing.assert_array_equal(np.concatenate([np.asarray(y0), np.asarray(y1)]), expected)
+    for seed, shape in [(0, (7,)), (3, (37, 41)), (5, (2, 3, 70_001))]:
+        key = jax.random.key(seed)
+        size = int(np.prod(shape))
+        words = jax.random.key_data(key).astype(jnp.uint32)
+        got = jax.jit(lambda w, size=size: noise.normal_at((w[0], w[1]), jnp.arange(size, dtype=jnp.uint32)))(words)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.random.normal(key, shape)).reshape(-1))
+
+
+@pytest.mark.parametrize("shapes", [
+    [(3,), (2, NOISE_BLOCK + 5), (5,), (3 * NOISE_BLOCK,)],      # small and large leaves, a partial last block
+    [(3,), (5,)],                                                # small leaves only
+    [(NOISE_BLOCK // 2 + 1,)] * 3,                               # small leaves, more than a block together
+    [(0,), (7,), (NOISE_BLOCK + 1,), (0, 3)],                    # empty leaves
+    [(NOISE_BLOCK,), (2 * NOISE_BLOCK,)],                        # whole blocks only
+])
+def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
+    """Whatever the mix of leaf sizes, the blocked loop draws leaf ``j``'s noise as ``jax.random.normal(fold_in(key,
+    j), leaf.shape)`` -- the reference draws each leaf here -- bit for bit: the same noise as the partitionable
+    generator's and a GPU's or TPU's."""
+    from dpzero_jax import noise
     key = jax.random.key(11)
+    leaves = [jnp.zeros(s, jnp.float32) for s in shapes]
+    blocked = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0, "blocked"))(leaves)
+    partitionable = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0, "partitionable"))(leaves)
+    for j, (shape, got, other) in enumerate(zip(shapes, blocked, partitionable)):
+        expected = 0.5 * np.asarray(jax.random.normal(jax.random.fold_in(key, j), shape, jnp.float32))
+        assert got.shape == shape
+        np.testing.assert_array_equal(np.asarray(got), expected)
+        np.testing.assert_array_equal(np.asarray(other), expected)
 
-    def blocks(k, size):
-        count = -(-size // block)
-        return np.concatenate([np.asarray(noise.standard_normal(jax.random.fold_in(k, c), (block,)))
-                               for c in range(count)])[:size]
 
-    leaves = [jnp.zeros(s, jnp.float32) for s in [(3,), (2, block + 5), (5,), (3 * block,)]]
-    out = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))(leaves)
-    for j in (1, 3):
-        np.testing.assert_allclose(np.asarray(out[j]).reshape(-1), 0.5 * blocks(jax.random.fold_in(key, j),
-                                                                                 leaves[j].size), atol=1e-6)
-    np.testing.assert_allclose(np.concatenate([np.asarray(out[0]), np.asarray(out[2])]),
-                               0.5 * blocks(jax.random.fold_in(key, 4), 8), atol=1e-6)
-    small = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))([leaves[0], leaves[2]])
-    np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in small]),
-                               0.5 * np.asarray(noise.standard_normal(jax.random.fold_in(key, 2), (8,))), atol=1e-6)
-    # many small leaves, more than NOISE_BLOCK elements together: their vector is drawn by block, in place
-    many = [jnp.zeros((block // 2 + 1,), jnp.float32)] * 3
-    out = jax.jit(lambda ls: noise.add_noise_and_normalise(ls, key, 2.0, 4.0))(many)
-    np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in out]),
-                               0.5 * blocks(jax.random.fold_in(key, 3), 3 * (block // 2 + 1)), atol=1e-6)
+def test_blocked_noise_keeps_dtypes_and_takes_any_key():
+    """A bfloat16 leaf comes back bfloat16 (noised in float32, then cast); a raw ``uint32`` key (``PRNGKey``) is
+    Threefry's and drawn by the loop; a key of another implementation (``rbg``) is drawn by ``jax.random.normal``."""
+    from dpzero_jax import noise
+    leaves = [jnp.ones((NOISE_BLOCK + 3,), jnp.bfloat16), jnp.ones((10,), jnp.float32)]
+    for key in (jax.random.PRNGKey(3), jax.random.key(3, impl="rbg")):
+        out = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 1.0, "blocked"))(leaves, key)
+        for j, (leaf, got) in enumerate(zip(leaves, out)):
+            expected = (1.0 + jax.random.normal(jax.random.fold_in(key, j), leaf.shape)).astype(leaf.dtype)
+            assert got.dtype == leaf.dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
 
 def test_auto_generator_is_blocked_on_cpu_and_partitionable_on_accelerators():
-    """``noise_rng="auto"`` (the default) resolves by the step's target: the blocked generator on a CPU, the
-    partitionable one on a GPU or TPU, where the blocked generator's loop runs block after block
-    (``docs/benchmarks/gpu.md``). Through the private gradient with ``target="gpu"``, leaf ``j``'s noise is
-    ``jax.random.normal(fold_in(key, j))`` (the reference draws it here), and on the CPU it is the blocked draw."""
+    """``noise_rng="auto"`` (the default) resolves by the step's target: the blocked loop on a CPU, the
+    partitionable generator on a GPU or TPU, where the blocked loop runs block after block
+    (``docs/benchmarks/gpu.md``). Through the private gradient, with ``target="gpu"`` and on this CPU alike, leaf
+    ``j``'s noise is ``jax.random.normal(fold_in(key, j))`` (the reference draws it here)."""
     from dpzero_jax import noise
     assert noise.resolve_rng("auto", "cpu") == "blocked"
     assert noise.resolve_rng("auto", "gpu") == noise.resolve_rng("auto", "tpu") == "partitionable"
@@ -179,8 +206,5 @@ def test_auto_generator_is_blocked_on_cpu_and_partitionable_on_accelerators():
         expected = np.asarray(jax.random.normal(jax.random.fold_in(key, j), leaf.shape, jnp.float32)) / 4.0
         np.testing.assert_allclose(leaf, expected, rtol=1e-5, atol=1e-7)
     on_cpu = noise_leaves(cfg)
-    expected_cpu = noise.add_noise_and_normalise([jnp.zeros(x.shape, jnp.float32) for x in on_cpu], key, 1.0, 4.0,
-                                                 "blocked")
-    for got, expected in zip(on_cpu, expected_cpu):
-        np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-5, atol=1e-7)
-    assert not np.allclose(on_cpu[0], on_gpu[0])
+    for got, expected in zip(on_cpu, on_gpu):   # the same normals; the step's arithmetic is fused differently
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
