@@ -166,14 +166,19 @@ def normal_at(key_words, index) -> jax.Array:
 NOISE_BLOCK = 1 << 16   # coordinates per iteration of the blocked loop (the values do not depend on it)
 
 
-def _leaf_key_words(key: jax.Array, count: int) -> jax.Array:
-    """``[count, 2]`` uint32: the key words of ``fold_in(key, j)`` for ``j < count``, derived in one computation
-    (one Threefry call per leaf would put ``count`` generators in the program: seconds of XLA:CPU compile time for a
-    model of a few hundred leaves)."""
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)
-    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(count, dtype=jnp.uint32))
-    return jax.random.key_data(keys).astype(jnp.uint32).reshape(count, 2)
+def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A Threefry key's two uint32 words (a raw ``uint32[2]`` key is one already)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    words = key.astype(jnp.uint32).reshape(2)
+    return words[0], words[1]
+
+
+def fold_in_words(key_words, data) -> tuple[jax.Array, jax.Array]:
+    """The key words of ``jax.random.fold_in(key, data)`` for a Threefry key and uint32 ``data`` (elementwise):
+    Threefry's output for the counter ``(0, data)``, as JAX computes it."""
+    k0, k1 = key_words
+    return threefry_2x32(k0, k1, jnp.zeros_like(data), data)
 
 
 def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -> list[jax.Array]:
@@ -181,12 +186,14 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
     :func:`normal_at` of ``fold_in(key, j)`` at each of its flat positions, as ``jax.random.normal`` would draw it.
 
     The leaves of more than ``NOISE_BLOCK`` elements are *vectors* of their own (flattened, float32); the others are
-    concatenated in flatten order into one more vector whose every position carries its leaf's key words and its
-    position in that leaf. One ``fori_loop`` visits every block of every vector: it draws the block's
-    ``NOISE_BLOCK`` normals and updates the block's owner under a ``cond``, in place, on the flattened leaf itself
-    (a float32 leaf is neither padded nor copied; a last partial block is a static slice). So the program holds one
-    generator whatever the number of leaves (each costs ~0.3 s of XLA:CPU compile time), and the step's peak memory
-    stays at the non-DP level (drawing a large leaf in one go made XLA keep extra gradient-sized copies).
+    concatenated in flatten order into one more vector, each position's leaf and index in that leaf known
+    statically. One ``fori_loop`` visits every block of every vector (``NOISE_BLOCK`` coordinates, or all of them
+    when the leaves are all small and fewer together): it draws the block's normals
+    (a large leaf's block from one key; the small leaves' from each position's leaf's key, looked up) and updates
+    the block's owner under a ``cond``, in place, on the flattened leaf itself (a float32 leaf is neither padded nor
+    copied; a last partial block is a static slice). So the program holds two generators whatever the number of
+    leaves (each costs ~0.1-0.3 s of XLA:CPU compile time), and the step's peak memory stays at the non-DP level
+    (drawing a large leaf in one go made XLA keep extra gradient-sized copies).
     """
     sizes = [math.prod(leaf.shape) for leaf in leaves]
     if max(sizes) >= 2 ** 31:   # positions are uint32 counters, block starts int32 offsets
@@ -194,62 +201,69 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
                          f"{max(sizes)}: use DPConfig(noise_rng='partitionable')")
     large = [j for j, n in enumerate(sizes) if n > NOISE_BLOCK]
     small = [j for j, n in enumerate(sizes) if 0 < n <= NOISE_BLOCK]
+    out = [(leaf.astype(jnp.float32) / expected_batch_size).astype(leaf.dtype) for leaf in leaves]   # empty leaves
+    if not large and not small:
+        return out
     flats = [leaves[j].reshape(-1).astype(jnp.float32) for j in large]
-    segments = [[(0, j)] for j in large]
     if small:
         flats.append(jnp.concatenate([leaves[j].reshape(-1).astype(jnp.float32) for j in small]))
-        offsets = np.cumsum([0] + [sizes[j] for j in small[:-1]])
-        segments.append([(int(o), j) for o, j in zip(offsets, small)])
-    out = [(leaf.astype(jnp.float32) / expected_batch_size).astype(leaf.dtype) for leaf in leaves]   # empty leaves
-    if not flats:
-        return out
-    # per vector: the key words of its first segment (a large leaf has one); per position of the small leaves'
-    # vector: its leaf's key words and its position in that leaf
-    leaf_words = _leaf_key_words(key, len(leaves))
-    first_words = leaf_words[jnp.asarray([s[0][1] for s in segments])]   # [vectors, 2]
-    n_blocks = [-(-flat.size // NOISE_BLOCK) for flat in flats]
+    # NOISE_BLOCK coordinates a block; when the leaves are all small and have fewer together, half of them: two
+    # iterations, because XLA inlines a loop of one and then copies the generator into every leaf's slice (seconds
+    # of compile time for a few dozen leaves)
+    block = min(NOISE_BLOCK, -(-max(flat.size for flat in flats) // 2)) if not large else NOISE_BLOCK
+    root = _key_words(key)
+    large_index = jnp.asarray(large + [0] * bool(small), jnp.uint32)     # vector -> its leaf's index j
+    n_blocks = [-(-flat.size // block) for flat in flats]
     owner = jnp.asarray(np.repeat(np.arange(len(flats)), n_blocks), jnp.int32)
     local = jnp.asarray(np.concatenate([np.arange(n) for n in n_blocks]), jnp.uint32)
-    iota = jnp.arange(NOISE_BLOCK, dtype=jnp.uint32)
-    small_vector = len(flats) - 1 if small else -1
-    if small:
-        padded = n_blocks[-1] * NOISE_BLOCK
-        segment = np.repeat(np.arange(len(small)), [sizes[j] for j in small])
-        segment = np.concatenate([segment, np.full(padded - segment.size, len(small) - 1)])
-        offsets = np.asarray([o for o, _ in segments[-1]])
-        small_words = leaf_words[jnp.asarray(np.asarray(small)[segment])]
-        small_index = jnp.asarray((np.arange(padded) - offsets[segment]).astype(np.uint32))
+    if small:   # per position of the small leaves' vector (constants): which small leaf, and where in it
+        padded = n_blocks[-1] * block
+        leaf_of = np.repeat(np.arange(len(small)), [sizes[j] for j in small])
+        index_of = np.concatenate([np.arange(sizes[j]) for j in small])
+        leaf_of = np.concatenate([leaf_of, np.full(padded - leaf_of.size, len(small) - 1)])
+        index_of = np.concatenate([index_of, np.zeros(padded - index_of.size, np.int64)])
+        leaf_of = jnp.asarray(leaf_of.astype(np.uint16 if len(small) <= 2 ** 16 else np.uint32))
+        index_of = jnp.asarray(index_of.astype(np.uint16 if NOISE_BLOCK <= 2 ** 16 else np.uint32))
+        small_k0, small_k1 = fold_in_words(root, jnp.asarray(small, jnp.uint32))   # [small leaves] each
+
+    def large_block(start, vector):
+        # positions from an iota made here, in the loop, which fuses into the generator (an array captured from
+        # outside the loop would be one more block-sized buffer)
+        position = start + jax.lax.iota(jnp.uint32, block)
+        return normal_at(fold_in_words(root, large_index[vector]), position)
+
+    def small_block(start, vector):
+        at = start.astype(jnp.int32)
+        leaf = jax.lax.dynamic_slice(leaf_of, (at,), (block,)).astype(jnp.int32)
+        index = jax.lax.dynamic_slice(index_of, (at,), (block,)).astype(jnp.uint32)
+        return normal_at((small_k0[leaf], small_k1[leaf]), index)
 
     def updater(size: int):
-        full, tail = divmod(size, NOISE_BLOCK)
+        full, tail = divmod(size, block)
 
         def full_block(flat, start, normal):
-            block = jax.lax.dynamic_slice(flat, (start,), (NOISE_BLOCK,))
-            return jax.lax.dynamic_update_slice(flat, (block + std * normal) / expected_batch_size, (start,))
+            current = jax.lax.dynamic_slice(flat, (start,), (block,))
+            return jax.lax.dynamic_update_slice(flat, (current + std * normal) / expected_batch_size, (start,))
 
         def last_block(flat, start, normal):
-            return flat.at[full * NOISE_BLOCK:].set((flat[full * NOISE_BLOCK:] + std * normal[:tail])
+            return flat.at[full * block:].set((flat[full * block:] + std * normal[:tail])
                                                     / expected_batch_size)
         if not tail:
             return full_block
         if not full:
             return last_block
-        return lambda flat, start, normal: jax.lax.cond(start < full * NOISE_BLOCK, full_block, last_block, flat,
+        return lambda flat, start, normal: jax.lax.cond(start < full * block, full_block, last_block, flat,
                                                         start, normal)
 
     updaters = [updater(flat.size) for flat in flats]
 
     def noise_block(step, flats):
         vector = owner[step]
-        start = local[step] * jnp.uint32(NOISE_BLOCK)
-        k0, k1, index = first_words[vector, 0], first_words[vector, 1], start + iota
+        start = local[step] * jnp.uint32(block)
         if small:
-            in_small = vector == small_vector
-            at = jnp.where(in_small, start, 0).astype(jnp.int32)
-            k0 = jnp.where(in_small, jax.lax.dynamic_slice(small_words[:, 0], (at,), (NOISE_BLOCK,)), k0)
-            k1 = jnp.where(in_small, jax.lax.dynamic_slice(small_words[:, 1], (at,), (NOISE_BLOCK,)), k1)
-            index = jnp.where(in_small, jax.lax.dynamic_slice(small_index, (at,), (NOISE_BLOCK,)), index)
-        normal = normal_at((k0, k1), index)
+            normal = jax.lax.cond(vector == len(flats) - 1, small_block, large_block, start, vector)
+        else:
+            normal = large_block(start, vector)
         start = start.astype(jnp.int32)
         return tuple(jax.lax.cond(vector == v, update, lambda f, s, n: f, flat, start, normal)
                      for v, (flat, update) in enumerate(zip(flats, updaters)))
@@ -258,6 +272,8 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
     for j, flat in zip(large, flats):
         out[j] = flat.reshape(leaves[j].shape).astype(leaves[j].dtype)
     if small:
-        for (offset, j) in segments[-1]:
+        offset = 0
+        for j in small:
             out[j] = flats[-1][offset:offset + sizes[j]].reshape(leaves[j].shape).astype(leaves[j].dtype)
+            offset += sizes[j]
     return out

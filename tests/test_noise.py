@@ -124,7 +124,8 @@ def test_noise_is_added_to_the_clipped_sum_once():
 
 def test_threefry_is_jax_threefry_and_normal_at_is_jax_random_normal():
     """The blocked generator's pieces against JAX's own: ``threefry_2x32`` word for word against
-    ``jax.extend.random.threefry_2x32`` (random keys and counters), and ``normal_at`` at every position of a draw
+    ``jax.extend.random.threefry_2x32`` (random keys and counters), ``fold_in_words`` against the key data of
+    ``jax.random.fold_in``, and ``normal_at`` at every position of a draw
     against ``jax.random.normal`` of that key and shape (partitionable Threefry, JAX's default), bit for bit."""
     from jax.extend.random import threefry_2x32 as jax_threefry
 
@@ -135,6 +136,12 @@ def test_threefry_is_jax_threefry_and_normal_at_is_jax_random_normal():
     expected = np.asarray(jax_threefry(jnp.asarray(words[:2]), jnp.asarray(counters.reshape(-1))))
     y0, y1 = jax.jit(noise.threefry_2x32)(*[jnp.uint32(w) for w in words[:2]], *jnp.asarray(counters))
     np.testing.assert_array_equal(np.concatenate([np.asarray(y0), np.asarray(y1)]), expected)
+    key = jax.random.key(9)
+    data = jnp.arange(6, dtype=jnp.uint32)
+    folded = jax.jit(noise.fold_in_words)(tuple(jax.random.key_data(key).astype(jnp.uint32)), data)
+    np.testing.assert_array_equal(np.stack([np.asarray(w) for w in folded], axis=1),
+                                  np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(key, int(d))))
+                                            for d in data]))
     for seed, shape in [(0, (7,)), (3, (37, 41)), (5, (2, 3, 70_001))]:
         key = jax.random.key(seed)
         size = int(np.prod(shape))
@@ -147,6 +154,7 @@ def test_threefry_is_jax_threefry_and_normal_at_is_jax_random_normal():
     [(3,), (2, NOISE_BLOCK + 5), (5,), (3 * NOISE_BLOCK,)],      # small and large leaves, a partial last block
     [(3,), (5,)],                                                # small leaves only
     [(NOISE_BLOCK // 2 + 1,)] * 3,                               # small leaves, more than a block together
+    [(100,)] * 40,                                               # many small leaves, fewer than a block
     [(0,), (7,), (NOISE_BLOCK + 1,), (0, 3)],                    # empty leaves
     [(NOISE_BLOCK,), (2 * NOISE_BLOCK,)],                        # whole blocks only
 ])
@@ -164,6 +172,19 @@ def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
         assert got.shape == shape
         np.testing.assert_array_equal(np.asarray(got), expected)
         np.testing.assert_array_equal(np.asarray(other), expected)
+
+
+def test_blocked_noise_needs_no_gradient_sized_or_per_position_buffers():
+    """The loop noises every leaf in place: its compiled temporaries are the small leaves' concatenated vector and
+    at most one block (the key words and indices it reads per position stay inside the generator's fusion; a
+    captured iota or looked-up key table once added three block-sized buffers), not a copy of a large leaf."""
+    from dpzero_jax import noise
+    leaves = [jnp.zeros((3 * NOISE_BLOCK + 5,), jnp.float32), jnp.zeros((4 * NOISE_BLOCK,), jnp.float32)] + \
+        [jnp.zeros((100 + j,), jnp.float32) for j in range(20)]
+    small = sum(leaf.size for leaf in leaves[2:])
+    compiled = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 2.0, "blocked")).lower(
+        leaves, jax.random.key(0)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 4 * small + 4 * NOISE_BLOCK + 16384   # + scalars
 
 
 def test_blocked_noise_keeps_dtypes_and_takes_any_key():
