@@ -10,7 +10,8 @@ on a CPU and ``"partitionable"`` on a GPU or TPU, see :func:`resolve_rng`):
 
 * ``"blocked"``: Threefry on the coordinates' counters written out as elementwise operations
   (:func:`threefry_2x32`, :func:`normal_at`), one loop over blocks of ``NOISE_BLOCK`` coordinates updated in place
-  (:func:`_noised_in_blocks`); fastest on one CPU, no gradient-sized temporary, one generator in the program;
+  (:func:`_noised_in_blocks`); fastest on one CPU, no gradient-sized temporary, two generators in the program
+  whatever the number of leaves;
 * ``"partitionable"``: ``jax.random.normal`` per leaf, one elementwise computation that XLA fuses into the noised
   update; under ``jax.jit`` with a sharded gradient each device draws exactly its own shard.
 
@@ -201,7 +202,8 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
                          f"{max(sizes)}: use DPConfig(noise_rng='partitionable')")
     large = [j for j, n in enumerate(sizes) if n > NOISE_BLOCK]
     small = [j for j, n in enumerate(sizes) if 0 < n <= NOISE_BLOCK]
-    out = [(leaf.astype(jnp.float32) / expected_batch_size).astype(leaf.dtype) for leaf in leaves]   # empty leaves
+    out = [(leaf.astype(jnp.float32) / expected_batch_size).astype(leaf.dtype) if n == 0 else None   # empty leaves
+           for leaf, n in zip(leaves, sizes)]
     if not large and not small:
         return out
     flats = [leaves[j].reshape(-1).astype(jnp.float32) for j in large]
@@ -246,8 +248,7 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
             return jax.lax.dynamic_update_slice(flat, (current + std * normal) / expected_batch_size, (start,))
 
         def last_block(flat, start, normal):
-            return flat.at[full * block:].set((flat[full * block:] + std * normal[:tail])
-                                                    / expected_batch_size)
+            return flat.at[full * block:].set((flat[full * block:] + std * normal[:tail]) / expected_batch_size)
         if not tail:
             return full_block
         if not full:

@@ -176,8 +176,9 @@ def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
 
 def test_blocked_noise_needs_no_gradient_sized_or_per_position_buffers():
     """The loop noises every leaf in place: its compiled temporaries are the small leaves' concatenated vector and
-    at most one block (the key words and indices it reads per position stay inside the generator's fusion; a
-    captured iota or looked-up key table once added three block-sized buffers), not a copy of a large leaf."""
+    at most one block (the key words and indices it reads per position stay inside the generator's fusion; an iota
+    captured from outside the loop, or per-position key tables built before it, once added up to three block-sized
+    buffers), not a copy of a large leaf."""
     from dpzero_jax import noise
     leaves = [jnp.zeros((3 * NOISE_BLOCK + 5,), jnp.float32), jnp.zeros((4 * NOISE_BLOCK,), jnp.float32)] + \
         [jnp.zeros((100 + j,), jnp.float32) for j in range(20)]
