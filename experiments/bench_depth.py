@@ -25,6 +25,8 @@ Run::
 
     python experiments/bench_depth.py                 # L = 12, 24, 48 scanned and unrolled, remat memory
     python experiments/bench_depth.py --quick         # L = 2, 4 (a smoke test)
+    python experiments/bench_depth.py --depths 12 48 --unrolled --batch 16 --seq 128 \
+        --out experiments/results/bench_depth_cpu_b16_t128.json     # 8x the tokens per step
 
 Writes ``experiments/results/bench_depth_cpu.json``.
 """
@@ -65,11 +67,12 @@ class Decoder(nn.Module):
     layers: int
     scan: bool = True
     remat: bool = False
+    seq: int = SEQ
 
     @nn.compact
     def __call__(self, ids):
         embed = nn.Embed(VOCAB, WIDTH)
-        h = embed(ids) + self.param("position", nn.initializers.normal(0.02), (SEQ, WIDTH))
+        h = embed(ids) + self.param("position", nn.initializers.normal(0.02), (self.seq, WIDTH))
         block = nn.remat(Block) if self.remat else Block
         if self.scan:
             h, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)()(h)
@@ -79,10 +82,10 @@ class Decoder(nn.Module):
         return embed.attend(nn.LayerNorm()(h))
 
 
-def setup(layers: int, scan: bool, remat: bool = False):
-    model = Decoder(layers, scan, remat)
+def setup(layers: int, scan: bool, remat: bool = False, batch_size: int = BATCH, seq: int = SEQ):
+    model = Decoder(layers, scan, remat, seq)
     rng = np.random.default_rng(0)
-    batch = {"ids": jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)}
+    batch = {"ids": jnp.asarray(rng.integers(0, VOCAB, (batch_size, seq)), jnp.int32)}
     params = jax.jit(model.init)(jax.random.key(0), batch["ids"])["params"]
 
     def loss_fn(params, batch):
@@ -93,17 +96,17 @@ def setup(layers: int, scan: bool, remat: bool = False):
     return params, batch, loss_fn
 
 
-def compiled_pair(params, batch, loss_fn, modes=("auto",)):
+def compiled_pair(params, batch, loss_fn, modes=("auto",), batch_size: int = BATCH):
     """``{"nondp": ..., "dp": (auto), "ghost": ..., "noise": (the noise alone)}``: (compiled, args, lower + compile
     seconds)."""
     nondp = jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(loss_fn(p, b))))
     key = jax.random.key(1)
     candidates = [("nondp", nondp, (params, batch))]
     for mode in modes:
-        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode=mode, expected_batch_size=BATCH)
+        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode=mode, expected_batch_size=batch_size)
         candidates.append(("dp" if mode == "auto" else mode, jax.jit(dz.private_value_and_grad(loss_fn, cfg)),
                            (params, batch, key)))
-    noise_only = jax.jit(lambda grads, key: dz.noise.privatize(grads, key, 1.0, 1.0, BATCH))
+    noise_only = jax.jit(lambda grads, key: dz.noise.privatize(grads, key, 1.0, 1.0, batch_size))
     candidates.append(("noise", noise_only, (params, key)))
     out = {}
     for name, fn, args in candidates:
@@ -141,6 +144,8 @@ def main(argv=None):
                         help="depths to also run unrolled (default: the same as --depths)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="L = 2, 4 and 5 rounds (smoke test)")
+    parser.add_argument("--batch", type=int, default=BATCH, help="examples per step (the issue's shape: 4)")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per example (the issue's shape: 64)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "bench_depth_cpu.json"))
     args = parser.parse_args(argv)
@@ -152,13 +157,14 @@ def main(argv=None):
              f"{'step non-DP ms':>14} {'step DP ms':>10} {'x step':>7} {'x noise':>7} {'temp non-DP MiB':>15} " \
              f"{'temp DP MiB':>11} " \
              f"{'x temp':>7}"
-    print(f"backend {jax.default_backend()}, width {WIDTH}, T {SEQ}, B {BATCH}, vocab {VOCAB}, tied head")
+    print(f"backend {jax.default_backend()}, width {WIDTH}, T {args.seq}, B {args.batch}, vocab {VOCAB}, tied head")
     print(header)
     cases = [("scan", L, False) for L in args.depths] + [("scan+remat", L, True) for L in args.depths[:1]] + \
         [("unrolled", L, False) for L in unrolled]
     for layout, layers, remat in cases:
-        params, batch, loss_fn = setup(layers, scan=layout != "unrolled", remat=remat)
-        pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",))
+        params, batch, loss_fn = setup(layers, scan=layout != "unrolled", remat=remat, batch_size=args.batch,
+                                       seq=args.seq)
+        pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",), args.batch)
         ratio, t_nondp, t_dp, noise = step_ratio(pair, args.rounds)
         mem = {name: pair[name][0].memory_analysis() for name in pair}
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
@@ -193,8 +199,9 @@ def main(argv=None):
               f"{target[0]['step_ratio_minus_noise']:.3f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"backend": jax.default_backend(), "width": WIDTH, "seq": SEQ, "batch": BATCH, "vocab": VOCAB,
-                   "rounds": args.rounds, "rows": rows, "targets": targets, "load_avg": os.getloadavg()}, f, indent=1)
+        json.dump({"backend": jax.default_backend(), "width": WIDTH, "seq": args.seq, "batch": args.batch,
+                   "vocab": VOCAB, "rounds": args.rounds, "rows": rows, "targets": targets,
+                   "load_avg": os.getloadavg()}, f, indent=1)
     print(f"wrote {args.out}")
 
 
