@@ -96,9 +96,10 @@ def setup(layers: int, scan: bool, remat: bool = False, batch_size: int = BATCH,
     return params, batch, loss_fn
 
 
-def compiled_pair(params, batch, loss_fn, modes=("auto",), batch_size: int = BATCH):
+def compiled_pair(params, batch, loss_fn, modes=("auto",)):
     """``{"nondp": ..., "dp": (auto), "ghost": ..., "noise": (the noise alone)}``: (compiled, args, lower + compile
     seconds)."""
+    batch_size = batch["ids"].shape[0]
     nondp = jax.jit(jax.value_and_grad(lambda p, b: jnp.mean(loss_fn(p, b))))
     key = jax.random.key(1)
     candidates = [("nondp", nondp, (params, batch))]
@@ -164,7 +165,7 @@ def main(argv=None):
     for layout, layers, remat in cases:
         params, batch, loss_fn = setup(layers, scan=layout != "unrolled", remat=remat, batch_size=args.batch,
                                        seq=args.seq)
-        pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",), args.batch)
+        pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",))
         ratio, t_nondp, t_dp, noise = step_ratio(pair, args.rounds)
         mem = {name: pair[name][0].memory_analysis() for name in pair}
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
