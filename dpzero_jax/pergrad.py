@@ -175,7 +175,7 @@ def space_rule(method: str, positions: int, size: int) -> bool:
     return 2 * positions ** 2 < size
 
 
-def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") -> bool:
+def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> bool:
     """Ghost norm or instantiation for one parameter, from static shapes.
 
     ``"mixed"``: the space rule of paper 000 (Appendix A), ghost iff ``2 T^2 < rows * cols``.
@@ -186,6 +186,10 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") 
     An embedding's left Gram is an equality test (with another embedding) or a gather (with a dense use), not a
     contraction; a table used only by embeddings keeps the space rule. A tied table (embedding and head) at long
     sequences is thus instantiated: its ghost norm would contract the head's ``[T, V]`` output gradient with itself.
+    ``reuse=False`` (the gradient is summed elsewhere: ghost mode's weighted leaves) adds the instantiation's own
+    contraction, ``T_dense rows cols``, to its cost: GPT-2 XL's tied table at T 1024 is then ghost-normed, GPT-2
+    small's (``d`` 768) still instantiated, the forms that hold less memory on a v5e chip at those shapes
+    (``docs/benchmarks/tpu_aot.md``).
 
     With ``kernel="pallas"`` neither form needs a large buffer, so ``"mixed"`` and ``"fastest"`` compare operations
     for dense weights: the ghost kernel computes half of the ``T x T`` tile pairs, ``T^2 (rows + cols) / 2``
@@ -203,20 +207,21 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla") 
     if kernel == "pallas" and not any(u.left_is_ids for u in uses):
         return total_positions * (uses[0].rows + uses[0].cols) < 2 * rows_times_cols
     dense_positions = sum(u.positions for u in uses if not u.left_is_ids)
-    return shape_rule(method, total_positions, dense_positions, uses[0].rows, uses[0].cols)
+    return shape_rule(method, total_positions, dense_positions, uses[0].rows, uses[0].cols, reuse)
 
 
-def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int) -> bool:
+def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True) -> bool:
     """Ghost (``True``) or instantiation by ``"mixed"`` / ``"fastest"`` (:func:`use_ghost`, XLA kernels) for a
     ``[rows, cols]`` parameter used at ``positions`` positions per example, ``dense_positions`` of them by dense
-    (not embedding) uses."""
+    (not embedding) uses; ``reuse``: whether an instantiated gradient is reused for the clipped sum."""
     if method in ("ghost", "instantiate"):
         return method == "ghost"
     if method == "fastest" and dense_positions:
         # right Grams for every pair of uses, left Grams as contractions only between dense uses (an embedding's
         # left Gram is an equality test or a gather)
         ghost_cost = positions**2 * cols + dense_positions**2 * rows
-        return ghost_cost < INSTANTIATION_COST * rows * cols
+        instantiation_cost = (INSTANTIATION_COST + (0 if reuse else dense_positions)) * rows * cols
+        return ghost_cost < instantiation_cost
     return 2 * positions**2 < rows * cols    # the space rule (also "fastest" for embeddings only)
 
 

@@ -60,6 +60,13 @@ def batch_axes(size: int | None = None) -> tuple[str, ...] | None:
     return current[1]
 
 
+def examples_per_device(size: int) -> int:
+    """How many of ``size`` examples one device holds under the enclosing :func:`batch_sharded` (``size`` outside
+    it, or when its batch axes do not divide ``size``)."""
+    current = _BATCH.get()
+    return size // _devices(*current) if batch_axes(size) else size
+
+
 def constrain_batch(x: jax.Array) -> jax.Array:
     """``x [B, ...]`` with ``B`` split over the batch axes and its other dimensions whole (identity outside
     :func:`batch_sharded`). A batch of one (the program front-end's single-example program) is kept whole: the

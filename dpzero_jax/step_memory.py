@@ -37,11 +37,14 @@ rule) adds, measured the same way:
 * in the **block backward** of its second pass, the clipped-and-noised fp32 gradient shard, ``4 ceil(Psi / F)``
   (it is not live while the LM head's buffers are: GPT-2 XL's three DP steps exceed their non-private steps by the
   table buffers below alone);
-* in the **LM head**, for a tied table (a lookup and the head: two sites of one leaf, which ghost book-keeps): its
+* in the **LM head**, for a tied table (a lookup and the head: two sites of one leaf) that ghost book-keeps (where
+  :func:`tied_table_weighted` says summing it by the second pullback's weight path would hold more): its
   per-example gradients, instantiated in fp32 (``btr,btc->brc``) with the lookup's rows scattered in, and its
-  clipped sum, formed and all-reduced whole in fp32: ``4 (b + 1) V d`` for a ``d``-sharded table (GPT-2 XL: two
-  ``f32[50257, 1600]`` at the peak, 0.60 GiB over the non-private step at 12, 24 and 48 layers), ``/ F`` for a
-  vocabulary-sharded one.
+  clipped sum, formed and all-reduced whole in fp32: ``4 (b + 1) V d`` for a ``d``-sharded table (GPT-2 XL when it
+  was book-kept: two ``f32[50257, 1600]`` at the peak, 0.60 GiB over the non-private step at 12, 24 and 48 layers),
+  ``/ F`` for a vocabulary-sharded one. A weighted table adds nothing there: GPT-2 XL's DP step (one sequence per
+  chip, 2026-11-28) holds two logits-sized bf16 buffers in its LM head like the non-private step, no fp32 table,
+  and allocates 0.97x the non-private step's HBM.
 
 The ghost norms' ``T x T`` Grams of one weight at a time are small next to these (``2 b T^2`` fp32).
 
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dpzero_jax import pergrad
 from dpzero_jax.decoder_shapes import DecoderConfig, weights
 from dpzero_jax.shard_layout import shard_axis
 
@@ -159,10 +163,25 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
                       2 * c * v * d if d_sharded and replicas > 1 else 0, "2 c V d (d-sharded table, data axis > 1)"))
     terms.append(Term("DP: clipped + noised gradient shard", "block backward", 4 * -(-n_params // shards),
                       "4 ceil(Psi / F)"))
+    booked = config.tied and not tied_table_weighted(config, b, t, c)
     terms.append(Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head",
-                      4 * (b + 1) * table_share if config.tied else 0,
-                      "4 (b + 1) V d (tied; / F when the table is vocabulary-sharded)"))
+                      4 * (b + 1) * table_share if booked else 0,
+                      "4 (b + 1) V d (tied and book-kept; / F when the table is vocabulary-sharded)"))
     return tuple(terms)
+
+
+def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:
+    """Whether the DP step (ghost, ``norm_method`` the TPU's time rule) sums a tied ``[V, d]`` table by its weight
+    path rather than book-keeping it: :func:`dpzero_jax.program.ghost.weighted`'s memory rule on the table's two
+    uses (``T`` lookups, ``T`` head positions) with ``b`` sequences per device. Book-kept: ``4 V d`` (the fp32
+    clipped sum) ``+ 4 b V d`` where the time rule with reuse instantiates; weighted: the scaled output gradients
+    ``b T (V + d) c`` ``+ 4 b V d`` where the rule without reuse instantiates."""
+    v, d = config.vocab, config.d_model
+
+    def instantiated(reuse: bool) -> bool:
+        return not pergrad.shape_rule("fastest", 2 * t, t, v, d, reuse)
+    kept = 4 * v * d + (4 * b * v * d if instantiated(True) else 0)
+    return b * t * (v + d) * c + (4 * b * v * d if instantiated(False) else 0) < kept
 
 
 def non_private(terms: tuple[Term, ...]) -> tuple[Term, ...]:

@@ -85,7 +85,8 @@ def test_vmap_refuses_it():
 
 def remat_tied_gpt2():
     """A scanned, remat'd GPT-2 with a tied table (Flax layers): ``auto`` resolves to ghost on the program
-    front-end, which book-keeps the tied table (a lookup and the head: two sites) and taps the rest."""
+    front-end, which book-keeps the position table (a lookup at constant indices) and, at these shapes, the tied
+    table (a lookup and the head: two sites; summing it by the weight path would hold more), and taps the rest."""
     config = dz.models.GPT2Config(vocab_size=23, n_positions=12, n_embd=16, n_layer=2, n_head=2,
                                   tie_word_embeddings=True, scan_layers=True, remat="block")
     params, loss_fn = dz.models.lm_objective(dz.models.GPT2(config, rngs=nnx.Rngs(4)))
@@ -95,10 +96,11 @@ def remat_tied_gpt2():
 
 def test_auto_resolving_to_ghost_keeps_the_book_kept_table_in_bfloat16():
     """``auto`` with ``instantiated_dtype="bfloat16"`` on a remat'd model (it resolves to ghost: this used to be a
-    ValueError from the resolved config). The tied table is book-kept in bfloat16: one example alone under a
-    clipping threshold contributes exactly the threshold (norms after rounding), the table's clipped sum is
-    ``vmap(grad)``'s to bfloat16 accuracy and differs from the float32 run's (the other leaves move only with the
-    coefficients, whose norms include the rounded table)."""
+    ValueError from the resolved config). The position table and the tied table are book-kept in bfloat16: one
+    example alone under a clipping threshold contributes exactly the threshold (each leaf normed as it is summed:
+    after rounding where it is kept), the position table's clipped sum is ``vmap(grad)``'s to bfloat16 accuracy and
+    differs from the float32 run's (the other leaves move only with the coefficients, whose norms include the
+    rounded table)."""
     setup = remat_tied_gpt2()
     plan = dz.explain_plan(setup.loss_fn, dz.DPConfig(mode="auto"), setup.params, setup.batch)
     assert "front end: program, mode: ghost" in str(plan)
@@ -121,7 +123,7 @@ def test_auto_resolving_to_ghost_keeps_the_book_kept_table_in_bfloat16():
     rounded, rounded_norms = private(r, "bfloat16")
     full, _ = private(r, "float32")
     np.testing.assert_allclose(rounded_norms, norms, rtol=2**-7)
-    table = next(p for p in exact if "wte" in p)
+    table = next(p for p in exact if "wpe" in p)
     for path, g in exact.items():
         value = np.einsum("b...,b->...", np.asarray(g, np.float64), coef)
         bound = np.einsum("b...,b->...", np.abs(np.asarray(g, np.float64)), coef)

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dpzero_jax as dz
-from dpzero_jax import pergrad, planner
+from dpzero_jax import pergrad, planner, step_memory
 from dpzero_jax.models.transformer import DP_LAYERS
 
 # XLA:CPU's default YNNPACK fusion evaluates ``sum(Gram_a * Gram_g)`` in one kernel without materialising the
@@ -297,8 +297,11 @@ def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
     sharded along ``d``. Always: block inputs ``48 x 1024 x 1600 x 2``, stacked bf16 block gradients ``2 x 48 p_l /
     64``. LM head, the largest phase: the table gathered for the lookup and the head ``2 x 2 V d``, two bf16 copies of
     the logits ``2 x 2 x 1024 V``. Table gradient: the lookup's and the head's whole bf16 gradients ``2 x 2 V d``. The
-    DP step book-keeps the tied table: its per-example fp32 gradient and fp32 clipped sum, ``2 x 4 V d``, in the LM
-    head's phase; its clipped and noised gradient shard ``4 Psi / 64`` sits in the (smaller) block backward."""
+    DP step sums the tied table by its weight path (the memory rule of ``ghost.weighted``: the scaled head gradients,
+    ``1024 (V + d) x 2`` bytes, against the book-kept fp32 gradient and clipped sum, ``2 x 4 V d``), which adds
+    nothing to the LM head's phase; its clipped and noised gradient shard ``4 Psi / 64`` sits in the (smaller) block
+    backward, so the DP step needs no more than the non-private one. GPT-2 small at 8 sequences per chip (T 1024)
+    book-keeps its table: ``4 (8 + 1) V d`` in the LM head."""
     v, d, t = 50257, 1600, 1024
     plan = planner.plan_memory("gpt2-xl", 256, 256, t, "bf16", 3, remat="block", shards=64)
     p_l = 12 * d**2 + 13 * d
@@ -307,12 +310,15 @@ def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
     assert plan.activations == always + head
     totals = {term.name: term.bytes for term in plan.temporaries}
     assert totals["lookup + head table gradients, whole, compute precision"] == 2 * 2 * v * d < head
-    assert plan.dp_extra == 2 * 4 * v * d
+    assert step_memory.tied_table_weighted(plan.model, 1, t, 2) and plan.dp_extra == 0
     block = sum(term.bytes for term in plan.temporaries if term.phase == "block backward")
     assert block < head and totals["DP: clipped + noised gradient shard"] == 4 * -(-plan.n_params // 64)
     untied = planner.plan_memory(dataclasses.replace(planner.resolve_model("gpt2-xl"), tied=False), 256, 256, t,
                                  "bf16", 3, remat="block", shards=64)
     assert untied.dp_extra == 0     # no book-kept table; the gradient shard leaves the block phase below the head's
+    small = planner.plan_memory("gpt2", 4, 32, t, "bf16", 3, remat="block", shards=4)
+    booked = {term.name: term.bytes for term in small.temporaries}
+    assert booked["DP: tied table's per-example gradients (book-kept) + clipped sum, fp32"] == 4 * 9 * v * 768
 
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):

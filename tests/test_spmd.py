@@ -96,11 +96,12 @@ def test_constrain_batch_is_the_identity_outside_and_checks_axes():
         assert spmd.batch_axes() == ("data", "fsdp")
         y = jax.jit(spmd.constrain_batch)(x)
         assert spmd.batch_axes(8) == ("data", "fsdp") and spmd.batch_axes(4) is None   # a micro-batch of 4
+        assert spmd.examples_per_device(24) == 3 and spmd.examples_per_device(4) == 4
         odd = jnp.ones((4, 2))
         assert spmd.constrain_batch(odd) is odd          # not divisible: left to the partitioner
     assert y.sharding.spec[0] == ("data", "fsdp")
     np.testing.assert_array_equal(y, x)
-    assert spmd.batch_axes() is None
+    assert spmd.batch_axes() is None and spmd.examples_per_device(24) == 24
     with pytest.raises(ValueError, match="'model'"):
         with spmd.batch_sharded(mesh, ("data", "model")):
             pass

@@ -245,15 +245,16 @@ def _outer_uses(factored, k: int | None = None):
     return uses
 
 
-def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="float32"):
+def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="float32", reuse: bool = True):
     """``(sq [B], clipped(coef) -> [K, rows, cols])`` for one leaf with factored uses; an instantiated gradient is
-    kept (and normed) in ``dtype`` (``DPConfig.instantiated_dtype``)."""
+    kept (and normed) in ``dtype`` (``DPConfig.instantiated_dtype``). ``reuse=False``: the clipped sum is formed
+    elsewhere (ghost mode's weighted leaves); the norm is then taken in float32 and nothing is kept for a sum."""
     k = factored[0][1].left.shape[1]
     uses = _outer_uses(factored)
     if k > 1:
         kernel = "xla"
-    ghost = pergrad.use_ghost(uses, method, kernel)
-    if not ghost and kernel == "xla":
+    ghost = pergrad.use_ghost(uses, method, kernel, reuse)
+    if not ghost and kernel == "xla" and reuse:
         dense, sq = pergrad.kept_sum_and_sq_norm(uses, dtype, (batch, k, uses[0].rows, uses[0].cols))
 
         def clipped(coef):
@@ -287,10 +288,17 @@ def _blocked_weighted_sum(factored, coef):
     return total
 
 
-def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int):
-    """``({leaf: sq [B]}, {leaf: coef [B] -> clipped sum (leaf shape, float32)})`` from :func:`_leaf_terms`."""
+def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: bool = True):
+    """``({leaf: sq [B]}, {leaf: coef [B] -> clipped sum (leaf shape, float32)})`` from :func:`_leaf_terms`.
+    ``reuse=False``: norms only (summed elsewhere: ghost mode's weighted leaves), in float32, nothing kept."""
     sq, summers = {}, {}
     for leaf, (form, value) in terms.items():
+        if not reuse:
+            if form == "direct":
+                sq[leaf] = pergrad.direct_sq_norm(value)
+            else:
+                sq[leaf], _ = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size, reuse=False)
+            continue
         if form == "direct":
             value = pergrad.kept(value.astype(cfg.instantiated_dtype))   # kept for the clipped sum, normed as kept
             sq[leaf] = pergrad.direct_sq_norm(value)
@@ -352,14 +360,15 @@ def whole_leaves(plan: ProgramPlan, leaves, layout, probe_ct) -> list:
     return zero3.whole(plan.paths, leaves, layout, frozenset(after), after)
 
 
-def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
+def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = frozenset()) -> list[dict]:
     """Per trainable parameter: how the program front-end computes its per-example gradient.
 
     Rows: ``path``, ``rule`` (the sites' kinds: ``dot`` / ``conv`` / ``gather`` / ``local``, or ``fallback``),
     ``method`` (``ghost`` / ``instantiate`` for factored uses by the rule of ``cfg.norm_method`` -- for ``conv`` on
     the unfolded sizes -- ``instantiate`` for local sites, ``fallback``:
     autodiff per example), ``per_example_bytes`` (float32 bytes the norm needs per example), ``group``, ``why``
-    (the reason for a fallback).
+    (the reason for a fallback). ``summed_elsewhere``: leaves (indices) whose clipped sum does not reuse an
+    instantiated gradient (ghost mode's weighted leaves: :func:`pergrad.use_ghost` with ``reuse=False``).
     """
     leaves = jax.tree.leaves(params)
     method = getattr(cfg, "norm_method", "mixed")
@@ -381,7 +390,7 @@ def explain(plan: ProgramPlan, params, cfg=None) -> list[dict]:
             elif "conv" in kinds:
                 how, nbytes = _explain_conv(leaf_sites, method, size)
             else:
-                how, nbytes = _explain_factored(leaf_sites, method, kernel, size)
+                how, nbytes = _explain_factored(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere)
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
                      "group": group_label(plan, plan.group_of[path]), "why": why})
     return rows
@@ -396,7 +405,7 @@ def group_label(plan: ProgramPlan, group: int) -> str:
     return f"{first[:-1]}..{last[last.rindex('[') + 1:]}"
 
 
-def _explain_factored(leaf_sites, method: str, kernel: str, size: int) -> tuple[str, int]:
+def _explain_factored(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True) -> tuple[str, int]:
     """``(method, per-example bytes)`` of a leaf used by dot / gather sites, as book-keeping decides: the sites'
     factors (shapes only, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one example)
     go through the rule of :func:`_outer_norm_and_sum`; uses whose blocks or layouts differ are instantiated."""
@@ -419,7 +428,7 @@ def _explain_factored(leaf_sites, method: str, kernel: str, size: int) -> tuple[
     blocks = factors[0][0][0]
     uses = [pergrad.Outer(jax.ShapeDtypeStruct(left, jnp.float32), jax.ShapeDtypeStruct(right, jnp.float32),
                           st["rows"], (st["rows"], right[-1]), st["ids"]) for left, right, st in factors]
-    if pergrad.use_ghost(uses, method, kernel if blocks == 1 else "xla"):
+    if pergrad.use_ghost(uses, method, kernel if blocks == 1 else "xla", reuse):
         positions = sum(u.positions for u in uses)
         return "ghost", 4 * blocks * positions ** 2
     return "instantiate", 4 * size
