@@ -175,3 +175,30 @@ def test_the_planner_predicts_the_engines_choice(vocab, width, length, batch):
     engine = {plan.paths[i] for i in program_ghost.weighted(plan, program_ghost.eligible(plan), cfg, batch)}
     shape = planner.DecoderConfig("tiny", 1, width, 2, vocab, length, tied=True)
     assert any("wte" in p for p in engine) == step_memory.tied_table_weighted(shape, batch, length, 4)
+
+
+def test_a_weight_shared_across_scan_iterations_is_weighted_and_exact():
+    """A ``[16, 16]`` weight passed whole into a 3-iteration scan at 2 positions per iteration: its norm needs the
+    iterations' cross terms (ghost form: 2 (3 x 2)^2 < 256), and the scaled output gradients, B x 2 x 16 float32 per
+    iteration (640 bytes), are smaller than its float32 clipped sum (1024): weighted, summed by the second pullback's
+    transposed scan. Checked against ``vmap(grad)``, mask and all."""
+    width, length = 16, 2
+    keys = jax.random.split(jax.random.key(5), 3)
+    params = {"shared": jax.random.normal(keys[0], (width, width)) / 4,
+              "stacked": jax.random.normal(keys[1], (3, width, width)) / 4,
+              "head": jax.random.normal(keys[2], (width, 3))}
+    rng = np.random.default_rng(8)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        def layer(h, w):
+            return jnp.tanh(h @ p["shared"] + h @ w), None
+        h, _ = jax.lax.scan(layer, b["x"], p["stacked"])
+        return -jnp.take_along_axis(jax.nn.log_softmax(h.mean(1) @ p["head"]), b["y"][:, None], 1)[:, 0]
+
+    setup = Setup("shared", params, loss_fn, batch, ())
+    assert _weighted_names(setup)[0] == {"shared"}
+    check_private(setup, clip_fn="abadi", groups="param-wise", mode="ghost", floor=1e-4)
+    check_private(setup, clip_fn="automatic", groups="all-layer", mode="ghost", floor=1e-4,
+                  mask=np.array([True, False, True, True, True]), include=np.array([True, False, True, True, True]))

@@ -26,14 +26,16 @@ single-example program inside one ``jax.vjp``), then two pullbacks:
 Eligible: a leaf with exactly one site, not inside a scan that passes it whole (``"const"`` level: the iterations'
 gradients would need cross terms), that takes the example's data (not a lookup at constant indices). A leaf whose
 norm needs cross terms between its uses -- tied weights (an embedding and its LM head), a weight shared across scan
-iterations -- but whose sites are all ``dot`` / ``gather`` with data and outside ``remat`` is *weighted*: its sites
+iterations -- but whose sites are all ``dot`` / ``gather`` with data and outside ``remat`` is *weighted* where that
+holds less memory than book-keeping it (:func:`weighted`): its sites
 are captured as in book-keeping (operands and output gradient kept, the norm with every cross term formed after the
 first pullback) and also carry the weight path and a port, so that its clipped sum, too, comes from the second
 pullback in the non-private gradient's contractions. Nothing is kept for the sum, so the norm is taken in float32
 and the time rule (``norm_method="fastest"``) counts an instantiation's own contraction (``pergrad.use_ghost`` with
 ``reuse=False``): book-kept, GPT-2 XL's tied table on a TPU chip held two float32 ``[V, d]`` buffers (its
 per-example gradient and clipped sum) that the non-private step does not have. Other leaves -- a position table,
-a scale or shift of a leaf used several times, tied weights inside ``remat`` -- are captured as in book-keeping,
+a scale or shift of a leaf used several times, tied weights inside ``remat`` or where book-keeping holds less --
+are captured as in book-keeping,
 and fallback leaves are differentiated per example (per-example copies); both are summed from what the first
 pullback gave.
 """
