@@ -187,9 +187,10 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
     contraction; a table used only by embeddings keeps the space rule. A tied table (embedding and head) at long
     sequences is thus instantiated: its ghost norm would contract the head's ``[T, V]`` output gradient with itself.
     ``reuse=False`` (the gradient is summed elsewhere: ghost mode's weighted leaves) adds the instantiation's own
-    contraction, ``T_dense rows cols``, to its cost: GPT-2 XL's tied table at T 1024 is then ghost-normed, GPT-2
-    small's (``d`` 768) still instantiated, the forms that hold less memory on a v5e chip at those shapes
-    (``docs/benchmarks/tpu_aot.md``).
+    contraction, ``T_dense rows cols``, to its cost: GPT-2 XL's tied table at T 1024 is then ghost-normed (compiled
+    for a v5e chip, also the form that holds less memory), GPT-2 small's (``d`` 768) still instantiated (fewer
+    operations; in memory its ghost norm held less, 12.1 against 12.9 GiB at 8 sequences per chip, where ghost mode
+    book-keeps that table anyway: ``docs/benchmarks/compiled.md``).
 
     With ``kernel="pallas"`` neither form needs a large buffer, so ``"mixed"`` and ``"fastest"`` compare operations
     for dense weights: the ghost kernel computes half of the ``T x T`` tile pairs, ``T^2 (rows + cols) / 2``
