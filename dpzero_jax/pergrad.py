@@ -31,6 +31,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+# the rules on shapes alone live in a module without JAX (the planner uses them); re-exported here
+from dpzero_jax.norm_rules import INSTANTIATION_COST, shape_rule, space_rule  # noqa: F401
 from dpzero_jax_kernels import ghost_norm
 
 Array = jax.Array
@@ -38,9 +40,6 @@ Array = jax.Array
 NORM_METHODS = ("mixed", "fastest", "ghost", "instantiate")
 KERNELS = ("xla", "pallas")
 
-# Multiply-add equivalents per gradient element of instantiating a per-example gradient and reusing it for the
-# clipped sum (write it, read it for the norm, read it for the sum); used by the "fastest" rule.
-INSTANTIATION_COST = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,15 +165,6 @@ def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32,
     return kept(rounded.astype(dtype)), direct_sq_norm(rounded)
 
 
-def space_rule(method: str, positions: int, size: int) -> bool:
-    """Ghost (``True``) or instantiation for ``positions`` positions of a parameter of ``size`` elements when only
-    the method and the shapes are known: ``"ghost"`` / ``"instantiate"`` as asked, otherwise paper 000's space rule,
-    ghost iff ``2 T^2 < size``."""
-    if method in ("ghost", "instantiate"):
-        return method == "ghost"
-    return 2 * positions ** 2 < size
-
-
 def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> bool:
     """Ghost norm or instantiation for one parameter, from static shapes.
 
@@ -209,21 +199,6 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
         return total_positions * (uses[0].rows + uses[0].cols) < 2 * rows_times_cols
     dense_positions = sum(u.positions for u in uses if not u.left_is_ids)
     return shape_rule(method, total_positions, dense_positions, uses[0].rows, uses[0].cols, reuse)
-
-
-def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True) -> bool:
-    """Ghost (``True``) or instantiation by ``"mixed"`` / ``"fastest"`` (:func:`use_ghost`, XLA kernels) for a
-    ``[rows, cols]`` parameter used at ``positions`` positions per example, ``dense_positions`` of them by dense
-    (not embedding) uses; ``reuse``: whether an instantiated gradient is reused for the clipped sum."""
-    if method in ("ghost", "instantiate"):
-        return method == "ghost"
-    if method == "fastest" and dense_positions:
-        # right Grams for every pair of uses, left Grams as contractions only between dense uses (an embedding's
-        # left Gram is an equality test or a gather)
-        ghost_cost = positions**2 * cols + dense_positions**2 * rows
-        instantiation_cost = (INSTANTIATION_COST + (0 if reuse else dense_positions)) * rows * cols
-        return ghost_cost < instantiation_cost
-    return 2 * positions**2 < rows * cols    # the space rule (also "fastest" for embeddings only)
 
 
 def _concat_positions(arrays: Sequence[Array]) -> Array:

@@ -65,8 +65,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpzero_jax import pergrad
 from dpzero_jax.decoder_shapes import DecoderConfig, weights
+from dpzero_jax.norm_rules import shape_rule
 from dpzero_jax.shard_layout import shard_axis
 
 PHASES = ("always", "block backward", "LM head", "table gradient")
@@ -179,7 +179,7 @@ def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:
     v, d = config.vocab, config.d_model
 
     def instantiated(reuse: bool) -> bool:
-        return not pergrad.shape_rule("fastest", 2 * t, t, v, d, reuse)
+        return not shape_rule("fastest", 2 * t, t, v, d, reuse)
     kept = 4 * v * d + (4 * b * v * d if instantiated(True) else 0)
     return b * t * (v + d) * c + (4 * b * v * d if instantiated(False) else 0) < kept
 

@@ -1,0 +1,35 @@
+"""Ghost norm or instantiation, decided from shapes alone (no JAX: the planner imports this module).
+
+:func:`dpzero_jax.pergrad.use_ghost` applies these rules to a parameter's factored uses; ``dpzero plan`` applies
+them to a model's shapes (:mod:`dpzero_jax.step_memory`).
+"""
+
+from __future__ import annotations
+
+# Multiply-add equivalents per gradient element of instantiating a per-example gradient and reusing it for the
+# clipped sum (write it, read it for the norm, read it for the sum); used by the "fastest" rule.
+INSTANTIATION_COST = 60
+
+
+def space_rule(method: str, positions: int, size: int) -> bool:
+    """Ghost (``True``) or instantiation for ``positions`` positions of a parameter of ``size`` elements when only
+    the method and the shapes are known: ``"ghost"`` / ``"instantiate"`` as asked, otherwise paper 000's space rule,
+    ghost iff ``2 T^2 < size``."""
+    if method in ("ghost", "instantiate"):
+        return method == "ghost"
+    return 2 * positions ** 2 < size
+
+
+def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True) -> bool:
+    """Ghost (``True``) or instantiation by ``"mixed"`` / ``"fastest"`` (``pergrad.use_ghost``, XLA kernels) for a
+    ``[rows, cols]`` parameter used at ``positions`` positions per example, ``dense_positions`` of them by dense
+    (not embedding) uses; ``reuse``: whether an instantiated gradient is reused for the clipped sum."""
+    if method in ("ghost", "instantiate"):
+        return method == "ghost"
+    if method == "fastest" and dense_positions:
+        # right Grams for every pair of uses, left Grams as contractions only between dense uses (an embedding's
+        # left Gram is an equality test or a gather)
+        ghost_cost = positions**2 * cols + dense_positions**2 * rows
+        instantiation_cost = (INSTANTIATION_COST + (0 if reuse else dense_positions)) * rows * cols
+        return ghost_cost < instantiation_cost
+    return 2 * positions**2 < rows * cols    # the space rule (also "fastest" for embeddings only)
