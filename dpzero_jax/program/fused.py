@@ -227,10 +227,8 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip
                 sq = sq + _leaf_sq(m, grad, base)
             coef = clipping.coefficients(jnp.sqrt(sq).reshape(1, 1), jnp.reshape(threshold, (1,)),
                                          jnp.reshape(keep, (1,)), clip_fn, gamma)[0, 0]
-            scaled = jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
-            member_scaled = [jnp.where(coef != 0, grad * coef.astype(grad.dtype), jnp.zeros((), grad.dtype))
-                             for grad in member_grads]
-            return g, scaled, None, [None] * len(held), None, sq, None, None, member_scaled
+            member_scaled = [sites_lib.scaled(grad, coef) for grad in member_grads]
+            return g, sites_lib.scaled(g, coef), None, [None] * len(held), None, sq, None, None, member_scaled
 
         tap.defvjp(forward, backward)
         out, member_links = tap(y_data, y_weight, jax.lax.stop_gradient(w), held, ok, sink, keep, threshold, views)

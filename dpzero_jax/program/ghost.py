@@ -94,7 +94,7 @@ def _saves_memory(leaf_sites, cfg, size: int) -> bool:
     kernel = "pallas" if cfg.norm_kernel == "pallas" else "xla"
 
     def instantiated(reuse: bool) -> bool:
-        return bk._explain_factored(leaf_sites, cfg.norm_method, kernel, n, reuse=reuse)[0] == "instantiate"
+        return bk.factored_form(leaf_sites, cfg.norm_method, kernel, n, reuse=reuse)[0] == "instantiate"
     kept = 4 * n + (jnp.dtype(cfg.instantiated_dtype).itemsize * size * n if instantiated(True) else 0)
     scaled = sum(size * math.prod(s.out_aval.shape) * s.out_aval.dtype.itemsize for s in leaf_sites)
     return scaled + (4 * size * n if instantiated(False) else 0) < kept
@@ -140,7 +140,7 @@ def _remat_tap(site, w, ops, sink, method: str):
         w, ops = saved
         g, coef = cotangents
         # a zero coefficient selects the gradient away and non-finite entries are zeroed, as on the weight path
-        g_kept = jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
+        g_kept = sites_lib.scaled(g, coef)
         _, ops_kept = sites_lib.finite_operands(ops)
         _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops_kept), w)
         floats = [i for i, o in enumerate(ops) if jnp.issubdtype(o.dtype, jnp.inexact)]   # ids get no cotangent
@@ -176,10 +176,8 @@ def _weighted_site(site, invals, site_input, records):
     w = invals[site.param_operand]
     ops = [invals[i] for i in site.recorded]
     records[site.path] = list(jax.lax.optimization_barrier(ops))   # as add_probe: the forward's values, kept
-    y_data = sites_lib.apply_site(site, jax.lax.stop_gradient(w), ops)
+    y_data, _, _, y_weight = sites_lib.data_and_weight_paths(site, w, ops)
     y_data = y_data + probe.astype(y_data.dtype)
-    _, held = sites_lib.finite_operands([jax.lax.stop_gradient(o) for o in ops])
-    y_weight = sites_lib.apply_site(site, w, held)
 
     @jax.custom_vjp
     def tap(y_data, y_weight, sink):
@@ -190,8 +188,7 @@ def _weighted_site(site, invals, site_input, records):
 
     def backward(_, cotangents):
         g, coef = cotangents
-        scaled = jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
-        return g, scaled, jnp.zeros_like(coef)
+        return g, sites_lib.scaled(g, coef), jnp.zeros_like(coef)
 
     tap.defvjp(forward, backward)
     out, records[_port_key(site.path)] = tap(y_data, y_weight, sink)
@@ -218,9 +215,7 @@ def _ghost_handler(ghost_paths: frozenset, method: str, in_remat: frozenset = fr
         if site.path in in_remat:
             out, records[site.path] = _remat_tap(site, w, ops, site_input, method)
             return [out]
-        y_data = sites_lib.apply_site(site, jax.lax.stop_gradient(w), ops)
-        ok, held = sites_lib.finite_operands([jax.lax.stop_gradient(o) for o in ops])
-        y_weight = sites_lib.apply_site(site, w, held)
+        y_data, ok, held, y_weight = sites_lib.data_and_weight_paths(site, w, ops)
 
         @jax.custom_vjp
         def tap(y_data, y_weight, w, held, ok, sink):
@@ -237,9 +232,8 @@ def _ghost_handler(ghost_paths: frozenset, method: str, in_remat: frozenset = fr
             # Pullback 1 (port cotangent 0) uses only the sink's cotangent, pullback 2 only the weight path's: under
             # jit the other one is dead code. An example with a non-finite operand has its norm reported NaN (and
             # so the coefficient 0); a zero coefficient selects its gradient away (never NaN * 0).
-            scaled = jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
             sq = jnp.where(ok, squared_norm(site, method, w, held, g).astype(jnp.float32), jnp.nan)
-            return g, scaled, None, [None] * len(held), None, sq
+            return g, sites_lib.scaled(g, coef), None, [None] * len(held), None, sq
 
         tap.defvjp(forward, backward)
         out, port = tap(y_data, y_weight, jax.lax.stop_gradient(w), held, ok, site_input)

@@ -390,7 +390,7 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
             elif "conv" in kinds:
                 how, nbytes = _explain_conv(leaf_sites, method, size)
             else:
-                how, nbytes = _explain_factored(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere)
+                how, nbytes = factored_form(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere)
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
                      "group": group_label(plan, plan.group_of[path]), "why": why})
     return rows
@@ -405,7 +405,7 @@ def group_label(plan: ProgramPlan, group: int) -> str:
     return f"{first[:-1]}..{last[last.rindex('[') + 1:]}"
 
 
-def _explain_factored(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True) -> tuple[str, int]:
+def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True) -> tuple[str, int]:
     """``(method, per-example bytes)`` of a leaf used by dot / gather sites, as book-keeping decides: the sites'
     factors (shapes only, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one example)
     go through the rule of :func:`_outer_norm_and_sum`; uses whose blocks or layouts differ are instantiated."""

@@ -321,6 +321,20 @@ def finite_operands(ops):
                 else o for o in ops]
 
 
+def data_and_weight_paths(site: Site, w, ops):
+    """``(y_data, ok, held, y_weight)``: the site's *data path* ``f(stop_gradient(w), ops)`` (its output), and its
+    *weight path* ``f(w, held)`` on the operands under ``stop_gradient`` with non-finite entries zeroed
+    (:func:`finite_operands`, whose ``ok`` it passes on): what ghost and fused taps join."""
+    y_data = apply_site(site, jax.lax.stop_gradient(w), ops)
+    ok, held = finite_operands([jax.lax.stop_gradient(o) for o in ops])
+    return y_data, ok, held, apply_site(site, w, held)
+
+
+def scaled(g, coef):
+    """One example's ``g`` times its clip coefficient; exactly zero where the coefficient is 0 (never NaN * 0)."""
+    return jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
+
+
 def apply_site(site: Site, w, ops):
     """The site's equation on the view ``w`` and its recorded operands ``ops`` (literals as traced)."""
     values, k = [], 0
