@@ -103,11 +103,12 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
         mode = program_mode.concrete_mode(cfg, program_plan)
         cfg = engine.resolve_for_mode(requested, mode)
         summed_elsewhere = frozenset()
-        if mode == "ghost":   # leaves with cross terms: normed from records, summed by the weight path
+        if mode == "ghost":   # the ghost sites' leaves and the weighted leaves: summed by the weight path
             from dpzero_jax.program import ghost as program_ghost
 
-            summed_elsewhere = program_ghost.weighted(program_plan, program_ghost.eligible(program_plan), cfg,
-                                                      program_plan.batch_size)
+            ghost_paths = program_ghost.eligible(program_plan)
+            summed_elsewhere = program_ghost.weighted(program_plan, ghost_paths, cfg, program_plan.batch_size) | {
+                program_plan.analysis.sites[path].view.leaf for path in ghost_paths}
         rows = program_mode.explain(program_plan, params, cfg, summed_elsewhere)
         if mode == "fused":   # groups that are not local to one site are book-kept in the fused pass: say why
             from dpzero_jax.program import fused as program_fused

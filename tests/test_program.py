@@ -18,6 +18,7 @@ import pytest
 import reference as ref
 from flax import nnx
 from helpers import B, Setup, check_private, gpt2, private_fn
+from jax.extend import core as jcore
 
 import dpzero_jax as dz
 from dpzero_jax.program import mode as program_mode
@@ -425,6 +426,48 @@ def test_fastest_rule_in_explain_ghost_and_bk():
         for mode in ("bk", "ghost"):
             check_private(setup, clip_fn="abadi", groups="all-layer", mode=mode, norm_method=method,
                           front_end="program")
+
+
+def test_ghost_mode_time_rule_counts_the_instantiation_it_does_not_reuse():
+    """Ghost mode sums every weight by its second pullback, so the time rule never reuses an instantiated gradient
+    there: it counts the instantiation's own contraction, ``(60 + T) rows cols`` = 2031616 multiply-adds for a
+    ``[128, 128]`` weight at T 64, against the ghost norm's 1048576, and ghost mode takes the ghost norm where
+    book-keeping (which reuses the gradient for the sum) instantiates. ``explain_plan`` says so per mode, the traced
+    ghost step holds no per-example ``[128, 128]`` gradient (book-keeping's does), and both stay exact."""
+    width, length = 128, 64
+    keys = jax.random.split(jax.random.key(13), 2)
+    params = {"w": jax.random.normal(keys[0], (width, width)) / np.sqrt(width),
+              "head": jax.random.normal(keys[1], (width, 3)) / np.sqrt(width)}
+    rng = np.random.default_rng(14)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["w"]).mean(1)
+        return -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][:, None], 1)[:, 0]
+
+    def per_example_weight_grads(mode):
+        cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method="fastest",
+                          front_end="program")
+        jaxpr = jax.make_jaxpr(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0))
+        shapes = set()
+
+        def visit(jx):
+            for eqn in jx.eqns:
+                shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+                for sub in jcore.jaxprs_in_params(eqn.params):
+                    visit(sub)
+        visit(jaxpr.jaxpr)
+        return {s for s in shapes if len(s) >= 3 and s[-2:] == (width, width)}
+
+    for mode, expected in (("bk", "instantiate"), ("ghost", "ghost")):
+        cfg = dz.DPConfig(mode=mode, norm_method="fastest", front_end="program")
+        rows = {r["path"]: r for r in dz.explain_plan(loss_fn, cfg, params, batch).rows}
+        assert rows["w"]["method"] == expected, mode
+    assert per_example_weight_grads("bk") and not per_example_weight_grads("ghost")
+    setup = Setup("dense", params, loss_fn, batch, ())
+    check_private(setup, clip_fn="abadi", groups="all-layer", mode="ghost", norm_method="fastest",
+                  front_end="program")
 
 
 class _DPLayersDense(nnx.Module):

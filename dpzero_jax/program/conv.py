@@ -105,13 +105,14 @@ def factors(eqn, lhs, g):
     return jnp.swapaxes(left, 0, 1), jnp.swapaxes(right, 0, 1)
 
 
-def use_ghost(method: str, positions: int, rows: int, cols: int) -> bool:
+def use_ghost(method: str, positions: int, rows: int, cols: int, reuse: bool = True) -> bool:
     """Ghost norm or instantiation for one block of ``positions`` positions (unfolded, for a convolution), ``rows x
     cols``: the rule of :func:`dpzero_jax.pergrad.use_ghost` for one dense use (``"mixed"``: space, ``"fastest"``:
-    FLOPs). Also the ghost mode's rule for a dot site."""
+    FLOPs; ``reuse``: whether an instantiated gradient would be reused for the clipped sum). Also the ghost mode's
+    rule for a dot site, without reuse (its sums come from the second pullback)."""
     use = pergrad.Outer(jax.ShapeDtypeStruct((1, positions, rows), jnp.float32),
                         jax.ShapeDtypeStruct((1, positions, cols), jnp.float32), rows, (rows, cols))
-    return pergrad.use_ghost([use], method)
+    return pergrad.use_ghost([use], method, reuse=reuse)
 
 
 def positions(eqn) -> int:

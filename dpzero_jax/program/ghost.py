@@ -102,10 +102,11 @@ def _saves_memory(leaf_sites, cfg, size: int) -> bool:
 
 def squared_norm(site, method: str, w, ops, g):
     """One example's squared norm of the gradient of the site's leaf (slice), float32 scalar."""
-    if site.kind == "dot" or (site.kind == "conv" and sites_lib.conv_factored([site], method)):
+    if site.kind == "dot" or (site.kind == "conv" and sites_lib.conv_factored([site], method, reuse=False)):
         if site.kind == "dot":
             left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
-            ghost = conv.use_ghost(method, left.shape[1], left.shape[2], right.shape[2])   # book-keeping's rule
+            # book-keeping's rule, counting an instantiation's own contraction: the sum never reuses it here
+            ghost = conv.use_ghost(method, left.shape[1], left.shape[2], right.shape[2], reuse=False)
         else:   # unfolded only for the ghost norm; an instantiated kernel comes from the VJP below
             left, right = conv.factors(site.eqn, ops[0], g)
             ghost = True

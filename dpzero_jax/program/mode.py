@@ -368,7 +368,8 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
     the unfolded sizes -- ``instantiate`` for local sites, ``fallback``:
     autodiff per example), ``per_example_bytes`` (float32 bytes the norm needs per example), ``group``, ``why``
     (the reason for a fallback). ``summed_elsewhere``: leaves (indices) whose clipped sum does not reuse an
-    instantiated gradient (ghost mode's weighted leaves: :func:`pergrad.use_ghost` with ``reuse=False``).
+    instantiated gradient (ghost mode's leaves, summed by its second pullback: :func:`pergrad.use_ghost` with
+    ``reuse=False``).
     """
     leaves = jax.tree.leaves(params)
     method = getattr(cfg, "norm_method", "mixed")
@@ -388,7 +389,7 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
             if "local" in kinds:
                 how, nbytes = "instantiate", 4 * size
             elif "conv" in kinds:
-                how, nbytes = _explain_conv(leaf_sites, method, size)
+                how, nbytes = _explain_conv(leaf_sites, method, size, reuse=i not in summed_elsewhere)
             else:
                 how, nbytes = factored_form(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere)
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
@@ -434,10 +435,10 @@ def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool =
     return "instantiate", 4 * size
 
 
-def _explain_conv(leaf_sites, method: str, size: int) -> tuple[str, int]:
+def _explain_conv(leaf_sites, method: str, size: int, reuse: bool = True) -> tuple[str, int]:
     """``(method, per-example bytes)`` of a kernel used by conv sites, as book-keeping decides
-    (:func:`~dpzero_jax.program.sites.conv_factored`)."""
-    if not sites_lib.conv_factored(leaf_sites, method):
+    (:func:`~dpzero_jax.program.sites.conv_factored`; ``reuse=False``: as ghost mode decides)."""
+    if not sites_lib.conv_factored(leaf_sites, method, reuse):
         return "instantiate", 4 * size
     groups = conv.sizes(leaf_sites[0].eqn)[0]
     positions = sum(sites_lib.conv_positions(s) for s in leaf_sites)

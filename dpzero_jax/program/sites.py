@@ -207,11 +207,12 @@ def factored(site: Site, operands, g) -> Factored:
     return Factored(left, right, rows, ids, tuple(canonical), perm, swapped, layout)
 
 
-def conv_factored(leaf_sites, method: str) -> bool:
+def conv_factored(leaf_sites, method: str, reuse: bool = True) -> bool:
     """Whether the conv sites of one leaf are factored (unfolded into patches): all of the leaf's sites are conv
     sites sharing one canonical layout and the rule of ``method`` picks the ghost norm on the unfolded sizes (all
     positions ``T``, ``rows = Cin_g * prod(k)``, ``cols = Cout_g``). Otherwise they are instantiated through the
-    convolution's own VJP, like local sites: ``rows x cols`` per example and no ``[T, rows]`` patches."""
+    convolution's own VJP, like local sites: ``rows x cols`` per example and no ``[T, rows]`` patches. ``reuse``: as
+    :func:`~dpzero_jax.program.conv.use_ghost` (ghost mode: False)."""
     if any(s.kind != "conv" for s in leaf_sites):
         return False
     keys = {(tuple(s.eqn.params["dimension_numbers"][1]), conv.sizes(s.eqn)[::2], xs_lengths(s),
@@ -219,7 +220,7 @@ def conv_factored(leaf_sites, method: str) -> bool:
     if len(keys) > 1 or (len(leaf_sites) > 1 and any(_leaf_axes(s) is None for s in leaf_sites)):
         return False
     _, _, rows, cols = conv.sizes(leaf_sites[0].eqn)
-    return conv.use_ghost(method, sum(conv_positions(s) for s in leaf_sites), rows, cols)
+    return conv.use_ghost(method, sum(conv_positions(s) for s in leaf_sites), rows, cols, reuse)
 
 
 def conv_positions(site: Site) -> int:
