@@ -76,8 +76,9 @@ VARIANTS = ("nonprivate", "dp")
 # not in the default run: layer-wise clipping with each layer of the scanned stack its own group
 # (DPConfig(groups="layer-wise", scan_groups="per-iteration"), computed by mode="fused": one backward pass); dp with
 # the per-example gradients it book-keeps (a tied table, under remat's ghost) kept in bfloat16; dp and dp-layerwise
-# with the space rule for the norms (norm_method="mixed"; auto is the time rule on a TPU)
-EXTRA_VARIANTS = ("dp-layerwise", "dp-bf16", "dp-mixed", "dp-layerwise-mixed")
+# with the space rule for the norms (norm_method="mixed"; auto is the time rule on a TPU); dp-layerwise with the
+# per-example gradients fused book-keeps (a tied table's group) in bfloat16
+EXTRA_VARIANTS = ("dp-layerwise", "dp-bf16", "dp-mixed", "dp-layerwise-mixed", "dp-layerwise-bf16")
 # gspmd-nohint: the gspmd step traced without dpzero_jax.spmd.batch_sharded (what the partitioner does unhinted)
 STRATEGIES = ("gspmd", "explicit", "gspmd-nohint")
 
@@ -218,11 +219,11 @@ def make_step(case: Case, variant: str, strategy: str, graphdef, trainable, para
 
     cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode="auto", target="tpu",
                       expected_batch_size=global_batch, noise_rng="partitionable")
-    if variant in ("dp-layerwise", "dp-layerwise-mixed"):
+    if variant in ("dp-layerwise", "dp-layerwise-mixed", "dp-layerwise-bf16"):
         cfg = cfg.replace(mode="fused", groups="layer-wise", scan_groups="per-iteration")
     if variant in ("dp-mixed", "dp-layerwise-mixed"):
         cfg = cfg.replace(norm_method="mixed")
-    if variant == "dp-bf16":
+    if variant in ("dp-bf16", "dp-layerwise-bf16"):
         cfg = cfg.replace(instantiated_dtype="bfloat16")
     if strategy == "explicit":
         def gradient(p, batch, key, mask, frozen):
