@@ -101,8 +101,8 @@ def resolve_target(cfg: DPConfig, mode: str | None = None) -> DPConfig:
     book-keeping, ``"mixed"`` for ghost and fused: the time rule counts an instantiated gradient as reused for the
     clipped sum, which only book-keeping does (measured on the CPU's overhead benchmark, neither rule is faster for
     ghost on both W2 and W3: 1.07 / 1.04x its non-private step with the time rule, 1.12 / 0.97x with the space
-    rule; ghost mode applies the time rule without reuse, ``pergrad.use_ghost(..., reuse=False)``, since its sums
-    come from its second pullback). Compiled for a v5e slice
+    rule; ghost and fused apply the time rule without reuse, ``pergrad.use_ghost(..., reuse=False)``, since their
+    sums come from the weight path). Compiled for a v5e slice
     (``experiments/bench_compiled.py``, GPT-2 small, T 1024, 8 examples per chip, tied table), the time rule
     instantiates the long-sequence weights and the tied table and reuses them for the clipped sum: temporaries
     1.25x the non-private step's, FLOPs 1.00x, bytes accessed 1.25x, against 1.42x / 1.35x / 1.39x for the space

@@ -109,11 +109,14 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
             ghost_paths = program_ghost.eligible(program_plan)
             summed_elsewhere = program_ghost.weighted(program_plan, ghost_paths, cfg, program_plan.batch_size) | {
                 program_plan.analysis.sites[path].view.leaf for path in ghost_paths}
-        rows = program_mode.explain(program_plan, params, cfg, summed_elsewhere)
-        if mode == "fused":   # groups that are not local to one site are book-kept in the fused pass: say why
+        if mode == "fused":   # a group clipped in its own backward is summed by the weight path: nothing reused
             from dpzero_jax.program import fused as program_fused
 
             booked = program_fused.local_groups(program_plan)[2]
+            summed_elsewhere = frozenset(i for i, path in enumerate(program_plan.paths)
+                                         if program_plan.group_of[path] not in booked)
+        rows = program_mode.explain(program_plan, params, cfg, summed_elsewhere)
+        if mode == "fused":   # groups that are not local to one site are book-kept in the fused pass: say why
             for row in rows:
                 reason = booked.get(program_plan.group_of[row["path"]])
                 if reason:

@@ -428,12 +428,13 @@ def test_fastest_rule_in_explain_ghost_and_bk():
                           front_end="program")
 
 
-def test_ghost_mode_time_rule_counts_the_instantiation_it_does_not_reuse():
-    """Ghost mode sums every weight by its second pullback, so the time rule never reuses an instantiated gradient
-    there: it counts the instantiation's own contraction, ``(60 + T) rows cols`` = 2031616 multiply-adds for a
-    ``[128, 128]`` weight at T 64, against the ghost norm's 1048576, and ghost mode takes the ghost norm where
-    book-keeping (which reuses the gradient for the sum) instantiates. ``explain_plan`` says so per mode, the traced
-    ghost step holds no per-example ``[128, 128]`` gradient (book-keeping's does), and both stay exact."""
+def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
+    """Ghost mode sums every weight by its second pullback, and fused mode's taps return ``C g`` to the weight path,
+    so the time rule never reuses an instantiated gradient there: it counts the instantiation's own contraction,
+    ``(60 + T) rows cols`` = 2031616 multiply-adds for a ``[128, 128]`` weight at T 64, against the ghost norm's
+    1048576, and both take the ghost norm where book-keeping (which reuses the gradient for the sum) instantiates.
+    ``explain_plan`` says so per mode, the traced ghost and fused steps hold no per-example ``[128, 128]`` gradient
+    (book-keeping's does), and all stay exact."""
     width, length = 128, 64
     keys = jax.random.split(jax.random.key(13), 2)
     params = {"w": jax.random.normal(keys[0], (width, width)) / np.sqrt(width),
@@ -448,7 +449,7 @@ def test_ghost_mode_time_rule_counts_the_instantiation_it_does_not_reuse():
 
     def per_example_weight_grads(mode):
         cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method="fastest",
-                          front_end="program")
+                          groups="param-wise", front_end="program")
         jaxpr = jax.make_jaxpr(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0))
         shapes = set()
 
@@ -460,14 +461,17 @@ def test_ghost_mode_time_rule_counts_the_instantiation_it_does_not_reuse():
         visit(jaxpr.jaxpr)
         return {s for s in shapes if len(s) >= 3 and s[-2:] == (width, width)}
 
-    for mode, expected in (("bk", "instantiate"), ("ghost", "ghost")):
-        cfg = dz.DPConfig(mode=mode, norm_method="fastest", front_end="program")
-        rows = {r["path"]: r for r in dz.explain_plan(loss_fn, cfg, params, batch).rows}
-        assert rows["w"]["method"] == expected, mode
-    assert per_example_weight_grads("bk") and not per_example_weight_grads("ghost")
+    for mode, expected in (("bk", "instantiate"), ("ghost", "ghost"), ("fused", "ghost")):
+        cfg = dz.DPConfig(mode=mode, norm_method="fastest", groups="param-wise", front_end="program")
+        report = dz.explain_plan(loss_fn, cfg, params, batch)
+        assert report.mode == mode
+        assert {r["path"]: r for r in report.rows}["w"]["method"] == expected, mode
+    assert per_example_weight_grads("bk")
+    assert not per_example_weight_grads("fused") and not per_example_weight_grads("ghost")
     setup = Setup("dense", params, loss_fn, batch, ())
-    check_private(setup, clip_fn="abadi", groups="all-layer", mode="ghost", norm_method="fastest",
-                  front_end="program")
+    for mode in ("ghost", "fused"):
+        check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, norm_method="fastest",
+                      front_end="program")
 
 
 class _DPLayersDense(nnx.Module):

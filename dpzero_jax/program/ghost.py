@@ -105,7 +105,8 @@ def squared_norm(site, method: str, w, ops, g):
     if site.kind == "dot" or (site.kind == "conv" and sites_lib.conv_factored([site], method, reuse=False)):
         if site.kind == "dot":
             left, right, _, _ = sites_lib._dot_factors(site, ops[0], g)
-            # book-keeping's rule, counting an instantiation's own contraction: the sum never reuses it here
+            # book-keeping's rule, counting an instantiation's own contraction: the sum never reuses it here (nor
+            # in fused mode's taps, which return C g to the weight path)
             ghost = conv.use_ghost(method, left.shape[1], left.shape[2], right.shape[2], reuse=False)
         else:   # unfolded only for the ghost norm; an instantiated kernel comes from the VJP below
             left, right = conv.factors(site.eqn, ops[0], g)
