@@ -49,17 +49,18 @@ def _positions(record) -> int:
     return math.prod(record.input_shape[1:] if record.rule.name == "embed" else record.input_shape[1:-1])
 
 
-def _layers_rule(method: str, records, size: int) -> bool:
+def _layers_rule(method: str, records, size: int, reuse: bool = True) -> bool:
     """Ghost or instantiation for a weight of ``size`` elements used by ``records`` (layer calls), by the rule
     book-keeping applies to their per-example factors (:func:`dpzero_jax.pergrad.shape_rule`): ``[rows, cols]``
-    is a table's ``[vocabulary, width]`` where an embedding uses it, else a kernel's ``[inputs, outputs]``."""
+    is a table's ``[vocabulary, width]`` where an embedding uses it, else a kernel's ``[inputs, outputs]``.
+    ``reuse=False``: ghost and fused, which form the clipped sum by its own contraction."""
     embeds = [r for r in records if r.rule.name == "embed"]
     if embeds:
         cols = embeds[0].output_shape[-1]
     else:
         cols = size // records[0].input_shape[-1]
     dense = sum(_positions(r) for r in records if r.rule.name != "embed")
-    return pergrad.shape_rule(method, sum(_positions(r) for r in records), dense, size // cols, cols)
+    return pergrad.shape_rule(method, sum(_positions(r) for r in records), dense, size // cols, cols, reuse)
 
 
 def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
@@ -72,7 +73,8 @@ def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
         if not uses:
             rule, method, nbytes = "unused", "-", 0
         elif set(rules) <= {"linear", "embed", "rmm_linear"} and any(name in ("kernel", "table") for _, name in uses):
-            ghost = _layers_rule(cfg.norm_method, [by_index[i] for i, _ in uses], sizes[path])
+            ghost = _layers_rule(cfg.norm_method, [by_index[i] for i, _ in uses], sizes[path],
+                                 reuse=cfg.mode not in ("ghost", "fused"))
             positions = sum(_positions(by_index[i]) for i, _ in uses)
             rule, method = "+".join(rules), "ghost" if ghost else "instantiate"
             nbytes = 4 * (positions ** 2 if ghost else sizes[path])

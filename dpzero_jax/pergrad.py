@@ -227,10 +227,12 @@ def _pallas_sq_norm(uses: Sequence[Outer], ghost: bool) -> Array:
     return result
 
 
-def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed", kernel: str = "xla") -> Array:
+def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed", kernel: str = "xla", reuse: bool = True) -> Array:
     """``[B]`` squared L2 norm of the per-example gradient ``sum_u G_u`` of one parameter (float32).
 
-    kernel: ``"xla"`` or ``"pallas"`` (see the module docstring).
+    kernel: ``"xla"`` or ``"pallas"`` (see the module docstring). ``reuse``: as :func:`use_ghost` -- False where the
+    caller forms the clipped sum by its own contraction (ghost and fused taps), so an instantiation is for the norm
+    only and the time rule counts its contraction.
     """
     if not uses:
         raise ValueError("sq_norm needs at least one use of the parameter")
@@ -239,7 +241,7 @@ def sq_norm(uses: Sequence[PerExampleGrad], method: str = "mixed", kernel: str =
         raise TypeError("a parameter's uses must all be Outer or all be Direct")
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
-    ghost = use_ghost(uses, method, kernel)
+    ghost = use_ghost(uses, method, kernel, reuse)
     if kernel == "pallas" and kinds == {Outer} and (ghost or not any(u.left_is_ids for u in uses)):
         return _pallas_sq_norm(uses, ghost)
     if not ghost:

@@ -428,6 +428,16 @@ def test_fastest_rule_in_explain_ghost_and_bk():
                           front_end="program")
 
 
+def _shapes_in(jaxpr) -> set:
+    """The shapes of every value a jaxpr and its sub-jaxprs compute."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            shapes |= _shapes_in(sub)
+    return shapes
+
+
 def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
     """Ghost mode sums every weight by its second pullback, and fused mode's taps return ``C g`` to the weight path,
     so the time rule never reuses an instantiated gradient there: it counts the instantiation's own contraction,
@@ -451,15 +461,7 @@ def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
         cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method="fastest",
                           groups="param-wise", front_end="program")
         jaxpr = jax.make_jaxpr(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0))
-        shapes = set()
-
-        def visit(jx):
-            for eqn in jx.eqns:
-                shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
-                for sub in jcore.jaxprs_in_params(eqn.params):
-                    visit(sub)
-        visit(jaxpr.jaxpr)
-        return {s for s in shapes if len(s) >= 3 and s[-2:] == (width, width)}
+        return {s for s in _shapes_in(jaxpr.jaxpr) if len(s) >= 3 and s[-2:] == (width, width)}
 
     for mode, expected in (("bk", "instantiate"), ("ghost", "ghost"), ("fused", "ghost")):
         cfg = dz.DPConfig(mode=mode, norm_method="fastest", groups="param-wise", front_end="program")
@@ -512,3 +514,14 @@ def test_fastest_rule_in_explain_on_the_layers_front_end():
     for mode, expected in (("auto", "instantiate"), ("bk", "instantiate"), ("ghost", "ghost")):
         report = dz.explain_plan(loss_fn, dz.DPConfig(mode=mode, target="cpu"), params, batch)
         assert {r["path"]: r["method"] for r in report.rows}["w/kernel"] == expected, mode
+    # the time rule in ghost's and fused's taps counts the instantiation they would not reuse (the program front-end's
+    # test above): the ghost norm, no per-example [128, 128] gradient in the traced step, exact
+    for mode in ("ghost", "fused"):
+        cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method="fastest",
+                          groups="param-wise")
+        report = dz.explain_plan(loss_fn, cfg, params, batch)
+        assert (report.front_end, report.mode) == ("layers", mode)
+        assert {r["path"]: r["method"] for r in report.rows}["w/kernel"] == "ghost", mode
+        jaxpr = jax.make_jaxpr(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0))
+        assert not {s for s in _shapes_in(jaxpr.jaxpr) if len(s) >= 3 and s[-2:] == (width, width)}, mode
+        check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, norm_method="fastest")

@@ -55,7 +55,8 @@ def _fused_layer(rule, spec, names, method, kernel, clip: LocalClip, gather, sca
         trainable, frozen, saved, keep, thresholds = residuals
         params = {**frozen, **gather(trainable, g)}
         uses = rule.per_example_grads(params, saved, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
+        # the clipped gradient below is its own contraction: an instantiated gradient would serve the norm only
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel, reuse=False) for n in names], axis=1)
         group_of = jnp.asarray(clip.group_of)
         n_local = len(clip.thresholds)
         group_sq = jnp.zeros((sq.shape[0], n_local), jnp.float32).at[:, group_of].add(sq)

@@ -46,7 +46,8 @@ def _ghost_layer(rule, spec, names, method, kernel, gather, scatter, trainable, 
         g, coef = cotangents
         params = {**frozen, **gather(trainable, g)}
         uses = rule.per_example_grads(params, saved, g, spec)
-        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel) for n in names], axis=1)
+        # the clipped sum below is its own contraction: an instantiated gradient would serve the norm only
+        sq = jnp.stack([pergrad.sq_norm([uses[n]], method, kernel, reuse=False) for n in names], axis=1)
         grads = {n: pergrad.weighted_sum([uses[n]], coef[:, j], kernel).astype(trainable[n].dtype)
                  for j, n in enumerate(names)}
         return scatter(grads), None, rules.input_grad(rule, params, saved, g, spec), sq
@@ -106,7 +107,7 @@ def _ghost(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None)
     shared_paths = [p for p, us in plan.uses.items() if any(index in shared for index, _ in us)]
     shared_uses = _per_example_uses(plan, calls, probe_ct, shared_paths, layout)
     for path, u in shared_uses.items():
-        sq[path] = pergrad.sq_norm(u, cfg.norm_method, cfg.norm_kernel)
+        sq[path] = pergrad.sq_norm(u, cfg.norm_method, cfg.norm_kernel, reuse=False)   # summed by weighted_sum
     norms = jnp.sqrt(_group_sq(plan, sq))
     coef = clipping.coefficients(norms, jnp.asarray(plan.thresholds), _keep(losses, mask), cfg.clip_fn, cfg.gamma)
     port_ct = {index: jnp.stack([coef[:, plan.group_of[path]] for _, path in by_index[index].param_paths], axis=1)
