@@ -368,8 +368,8 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
     the unfolded sizes -- ``instantiate`` for local sites, ``fallback``:
     autodiff per example), ``per_example_bytes`` (float32 bytes the norm needs per example), ``group``, ``why``
     (the reason for a fallback). ``summed_elsewhere``: leaves (indices) whose clipped sum does not reuse an
-    instantiated gradient (ghost mode's leaves, summed by its second pullback: :func:`pergrad.use_ghost` with
-    ``reuse=False``).
+    instantiated gradient (ghost mode's leaves, summed by its second pullback, and the groups fused mode clips in
+    their own backward, summed by the weight path: :func:`pergrad.use_ghost` with ``reuse=False``).
     """
     leaves = jax.tree.leaves(params)
     method = getattr(cfg, "norm_method", "mixed")
