@@ -142,12 +142,15 @@ def _vit_candidates(quick: bool, tpu_chips: int = 0):
         base = f"{label} non-DP"
         candidates[base] = (jax.jit(jax.value_and_grad(lambda p, b, f=loss_fn: jnp.mean(f(p, b)))), (params, batch),
                             base)
+        # compiled for a TPU from this host: the TPU's settings (norm rule, noise), not the host backend's
+        target = "tpu" if tpu_chips else None
         for mode in ("auto", "bk", "ghost", "vmap"):
-            cfg = dz.DPConfig(noise_multiplier=1.0, mode=mode, expected_batch_size=batch_size)
+            cfg = dz.DPConfig(noise_multiplier=1.0, mode=mode, expected_batch_size=batch_size, target=target)
             candidates[f"{label} {mode}"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)), (params, batch, key),
                                              base)
         if label == "dz.nn":   # the same layers planned from the traced program: the front end's own share
-            cfg = dz.DPConfig(noise_multiplier=1.0, mode="bk", front_end="program", expected_batch_size=batch_size)
+            cfg = dz.DPConfig(noise_multiplier=1.0, mode="bk", front_end="program", expected_batch_size=batch_size,
+                              target=target)
             candidates["dz.nn program bk"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)), (params, batch, key),
                                               base)
     title = (f"ViT {config.image_size}x{config.image_size}, patches {config.patch_size}, width {config.hidden_size}, "
