@@ -490,7 +490,8 @@ class _DPLayersDense(nnx.Module):
 def test_fastest_rule_in_explain_on_the_layers_front_end():
     """The same ``[128, 128]`` weight at T 64 in a ``dz.nn.Linear``: ``explain_plan`` reports ghost under the space
     rule and instantiation under the FLOP rule (the hand counts of the test above), and its per-example bytes; the
-    layers front-end's book-keeping is exact under both."""
+    layers front-end's book-keeping is exact under both. Its ghost and fused taps take the FLOP rule without reuse
+    (the ghost norm here), as the program front-end's do."""
     width, length = 128, 64
     model = _DPLayersDense(width, rngs=nnx.Rngs(3))
     graphdef, params = nnx.split(model, nnx.Param)
