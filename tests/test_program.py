@@ -400,24 +400,29 @@ def test_pallas_norm_kernels_on_the_program_front_end():
                   floor=1e-4)
 
 
-def test_fastest_rule_in_explain_ghost_and_bk():
-    """A dense weight ``[128, 128]`` at T 64: the space rule (``"mixed"``) picks the ghost norm (2 T^2 = 8192 <
-    16384), the FLOP rule (``"fastest"``) instantiation (ghost T^2 (rows + cols) = 1048576 multiply-adds against
-    60 rows cols = 983040 for instantiation with reuse). ``explain_plan`` reports the rule book-keeping applies, and
-    ghost and book-keeping give exact norms and clipped gradients under both rules."""
-    width, length = 128, 64
-    keys = jax.random.split(jax.random.key(11), 2)
+def _dense_setup(width: int, length: int, key_seed: int, data_seed: int) -> Setup:
+    """``tanh(x @ w).mean(T) @ head`` in plain JAX: a ``[width, width]`` weight at ``length`` positions."""
+    keys = jax.random.split(jax.random.key(key_seed), 2)
     params = {"w": jax.random.normal(keys[0], (width, width)) / np.sqrt(width),
               "head": jax.random.normal(keys[1], (width, 3)) / np.sqrt(width)}
-    rng = np.random.default_rng(12)
+    rng = np.random.default_rng(data_seed)
     batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
              "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
 
     def loss_fn(p, b):
         h = jnp.tanh(b["x"] @ p["w"]).mean(1)
         return -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][:, None], 1)[:, 0]
+    return Setup("dense", params, loss_fn, batch, ())
 
-    setup = Setup("dense", params, loss_fn, batch, ())
+
+def test_fastest_rule_in_explain_ghost_and_bk():
+    """A dense weight ``[128, 128]`` at T 64: the space rule (``"mixed"``) picks the ghost norm (2 T^2 = 8192 <
+    16384), the FLOP rule (``"fastest"``) instantiation (ghost T^2 (rows + cols) = 1048576 multiply-adds against
+    60 rows cols = 983040 for instantiation with reuse). ``explain_plan`` reports the rule book-keeping applies, and
+    ghost and book-keeping give exact norms and clipped gradients under both rules."""
+    width, length = 128, 64
+    setup = _dense_setup(width, length, key_seed=11, data_seed=12)
+    params, loss_fn, batch = setup.params, setup.loss_fn, setup.batch
     for method, expected in (("mixed", "ghost"), ("fastest", "instantiate")):
         cfg = dz.DPConfig(norm_method=method, front_end="program")
         rows = {r["path"]: r for r in dz.explain_plan(loss_fn, cfg, params, batch).rows}
@@ -438,6 +443,14 @@ def _shapes_in(jaxpr) -> set:
     return shapes
 
 
+def _per_example_shapes(setup: Setup, cfg, weight_shape: tuple) -> set:
+    """Shapes in the traced private step that hold a ``weight_shape`` gradient per example (a leading axis or
+    more before it)."""
+    jaxpr = jax.make_jaxpr(dz.private_value_and_grad(setup.loss_fn, cfg))(setup.params, setup.batch,
+                                                                          jax.random.key(0))
+    return {s for s in _shapes_in(jaxpr.jaxpr) if len(s) > len(weight_shape) and s[-len(weight_shape):] == weight_shape}
+
+
 def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
     """Ghost mode sums every weight by its second pullback, and fused mode's taps return ``C g`` to the weight path,
     so the time rule never reuses an instantiated gradient there: it counts the instantiation's own contraction,
@@ -446,22 +459,13 @@ def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
     ``explain_plan`` says so per mode, the traced ghost and fused steps hold no per-example ``[128, 128]`` gradient
     (book-keeping's does), and all stay exact."""
     width, length = 128, 64
-    keys = jax.random.split(jax.random.key(13), 2)
-    params = {"w": jax.random.normal(keys[0], (width, width)) / np.sqrt(width),
-              "head": jax.random.normal(keys[1], (width, 3)) / np.sqrt(width)}
-    rng = np.random.default_rng(14)
-    batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
-             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
-
-    def loss_fn(p, b):
-        h = jnp.tanh(b["x"] @ p["w"]).mean(1)
-        return -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][:, None], 1)[:, 0]
+    setup = _dense_setup(width, length, key_seed=13, data_seed=14)
+    params, loss_fn, batch = setup.params, setup.loss_fn, setup.batch
 
     def per_example_weight_grads(mode):
         cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method="fastest",
                           groups="param-wise", front_end="program")
-        jaxpr = jax.make_jaxpr(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0))
-        return {s for s in _shapes_in(jaxpr.jaxpr) if len(s) >= 3 and s[-2:] == (width, width)}
+        return _per_example_shapes(setup, cfg, (width, width))
 
     for mode, expected in (("bk", "instantiate"), ("ghost", "ghost"), ("fused", "ghost")):
         cfg = dz.DPConfig(mode=mode, norm_method="fastest", groups="param-wise", front_end="program")
@@ -470,7 +474,6 @@ def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
         assert {r["path"]: r for r in report.rows}["w"]["method"] == expected, mode
     assert per_example_weight_grads("bk")
     assert not per_example_weight_grads("fused") and not per_example_weight_grads("ghost")
-    setup = Setup("dense", params, loss_fn, batch, ())
     for mode in ("ghost", "fused"):
         check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, norm_method="fastest",
                       front_end="program")
@@ -523,6 +526,5 @@ def test_fastest_rule_in_explain_on_the_layers_front_end():
         report = dz.explain_plan(loss_fn, cfg, params, batch)
         assert (report.front_end, report.mode) == ("layers", mode)
         assert {r["path"]: r["method"] for r in report.rows}["w/kernel"] == "ghost", mode
-        jaxpr = jax.make_jaxpr(dz.private_value_and_grad(loss_fn, cfg))(params, batch, jax.random.key(0))
-        assert not {s for s in _shapes_in(jaxpr.jaxpr) if len(s) >= 3 and s[-2:] == (width, width)}, mode
+        assert not _per_example_shapes(setup, cfg, (width, width)), mode
         check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, norm_method="fastest")
