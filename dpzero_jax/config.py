@@ -104,7 +104,9 @@ class DPConfig:
     groups: ``"all-layer"``, ``"layer-wise"``, ``"param-wise"``, ``("uniform", k)``, ``{path: group}`` or a callable.
     mode: ``"auto"`` (default), ``"bk"``, ``"ghost"``, ``"fused"`` or ``"vmap"``.
     norm_method: for weights, ``"mixed"`` (ghost iff ``2T^2 < p*d``: the space rule of paper 000), ``"fastest"``
-        (ghost iff it takes fewer operations than instantiating and reusing the per-example gradient),
+        (ghost iff it takes fewer operations than instantiating and reusing the per-example gradient, or if that
+        gradient would hold more than twice the per-example operands the ghost norm keeps:
+        ``norm_rules.INSTANTIATION_MEMORY_BOUND``),
         ``"ghost"``, ``"instantiate"`` or ``"auto"`` (default): ``"fastest"`` when the step is compiled for a TPU
         (``target``) and for book-keeping on a CPU, ``"mixed"`` otherwise (see
         :func:`dpzero_jax.engine.resolve_target`).

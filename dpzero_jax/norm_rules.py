@@ -10,6 +10,14 @@ from __future__ import annotations
 # clipped sum (write it, read it for the norm, read it for the sum); used by the "fastest" rule.
 INSTANTIATION_COST = 60
 
+# The time rule's memory bound: a per-example gradient that book-keeping would instantiate and keep for the clipped
+# sum may hold at most this many times the per-example operands its ghost norm keeps instead (the ``[T, rows]`` and
+# ``[T, cols]`` factors of every use; an embedding's ids count one per position). Without it ViT-B/16 at T 197,
+# compiled for a v5e chip with 32 images each, instantiated every weight (the MLP's ``[768, 3072]``, 3.1x its
+# operands) and held 3.7x the non-private step's temporaries; the CPU benchmarks' instantiated weights are within
+# 1.6x (``experiments/bench_overhead.py``'s W3 at T 128, width 256).
+INSTANTIATION_MEMORY_BOUND = 2
+
 
 def space_rule(method: str, positions: int, size: int) -> bool:
     """Ghost (``True``) or instantiation for ``positions`` positions of a parameter of ``size`` elements when only
@@ -20,13 +28,24 @@ def space_rule(method: str, positions: int, size: int) -> bool:
     return 2 * positions ** 2 < size
 
 
+def operand_elements(positions: int, dense_positions: int, rows: int, cols: int) -> int:
+    """Per-example elements of a ``[rows, cols]`` parameter's factored operands: ``T (rows + cols)`` for its dense
+    uses, ``T (1 + cols)`` for its embedding uses (ids and the output gradient)."""
+    return dense_positions * (rows + cols) + (positions - dense_positions) * (1 + cols)
+
+
 def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True) -> bool:
     """Ghost (``True``) or instantiation by ``"mixed"`` / ``"fastest"`` (``pergrad.use_ghost``, XLA kernels) for a
     ``[rows, cols]`` parameter used at ``positions`` positions per example, ``dense_positions`` of them by dense
-    (not embedding) uses; ``reuse``: whether an instantiated gradient is reused for the clipped sum."""
+    (not embedding) uses; ``reuse``: whether an instantiated gradient is reused for the clipped sum, and so kept
+    through the step (``"fastest"`` then instantiates only within ``INSTANTIATION_MEMORY_BOUND`` times the
+    operands, :func:`operand_elements`)."""
     if method in ("ghost", "instantiate"):
         return method == "ghost"
     if method == "fastest" and dense_positions:
+        if reuse and rows * cols > INSTANTIATION_MEMORY_BOUND * operand_elements(positions, dense_positions, rows,
+                                                                                   cols):
+            return True
         # right Grams for every pair of uses, left Grams as contractions only between dense uses (an embedding's
         # left Gram is an equality test or a gather)
         ghost_cost = positions**2 * cols + dense_positions**2 * rows

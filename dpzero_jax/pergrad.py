@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 # the rules on shapes alone live in a module without JAX (the planner uses them); re-exported here
-from dpzero_jax.norm_rules import INSTANTIATION_COST, shape_rule, space_rule  # noqa: F401
+from dpzero_jax.norm_rules import INSTANTIATION_COST, INSTANTIATION_MEMORY_BOUND, shape_rule, space_rule  # noqa: F401
 from dpzero_jax_kernels import ghost_norm
 
 Array = jax.Array
@@ -172,7 +172,9 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
     ``"fastest"``: a time rule for engines that reuse an instantiated gradient for the clipped sum (book-keeping):
     ghost costs the right Grams of every pair of uses, ``T^2 cols`` multiply-adds per example (``T``: all uses'
     positions), plus the left Grams between dense uses, ``T_dense^2 rows``; instantiation with reuse about
-    ``INSTANTIATION_COST`` multiply-add equivalents per gradient element (its extra memory passes); ghost iff cheaper.
+    ``INSTANTIATION_COST`` multiply-add equivalents per gradient element (its extra memory passes); ghost iff cheaper,
+    or iff the instantiated gradient, kept for the sum, would hold more than ``INSTANTIATION_MEMORY_BOUND`` (2) times
+    the per-example operands the ghost norm keeps, ``T (rows + cols)`` (:func:`norm_rules.operand_elements`).
     An embedding's left Gram is an equality test (with another embedding) or a gather (with a dense use), not a
     contraction; a table used only by embeddings keeps the space rule. A tied table (embedding and head) at long
     sequences is thus instantiated: its ghost norm would contract the head's ``[T, V]`` output gradient with itself.

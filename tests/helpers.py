@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import reference as ref
 from flax import nnx
+from jax.extend import core as jcore
 
 import dpzero_jax as dz
 from dpzero_jax.models.transformer import DP_LAYERS
@@ -195,3 +196,37 @@ def subprocess_env(devices: int | None = None) -> dict[str, str]:
     if devices is not None:
         flags += f" --xla_force_host_platform_device_count={devices}"
     return {**os.environ, "XLA_FLAGS": flags}
+
+
+def dense_setup(width: int, length: int, key_seed: int, data_seed: int) -> Setup:
+    """``tanh(x @ w).mean(T) @ head`` in plain JAX: a ``[width, width]`` weight at ``length`` positions."""
+    keys = jax.random.split(jax.random.key(key_seed), 2)
+    params = {"w": jax.random.normal(keys[0], (width, width)) / np.sqrt(width),
+              "head": jax.random.normal(keys[1], (width, 3)) / np.sqrt(width)}
+    rng = np.random.default_rng(data_seed)
+    batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["w"]).mean(1)
+        return -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][:, None], 1)[:, 0]
+    return Setup("dense", params, loss_fn, batch, ())
+
+
+def shapes_in(jaxpr) -> set:
+    """The shapes of every value a jaxpr and its sub-jaxprs compute."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            shapes |= shapes_in(sub)
+    return shapes
+
+
+def per_example_shapes(setup: Setup, cfg, weight_shape: tuple) -> set:
+    """Shapes in the traced private step that hold a ``weight_shape`` gradient per example (leading axes of more
+    than one element before it; a ``[1, rows, cols]`` sum is not one)."""
+    jaxpr = jax.make_jaxpr(dz.private_value_and_grad(setup.loss_fn, cfg))(setup.params, setup.batch,
+                                                                          jax.random.key(0))
+    n = len(weight_shape)
+    return {s for s in shapes_in(jaxpr.jaxpr) if s[-n:] == weight_shape and len(s) > n and np.prod(s[:-n]) > 1}

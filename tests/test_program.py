@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import reference as ref
 from flax import nnx
-from helpers import B, Setup, check_private, gpt2, private_fn
-from jax.extend import core as jcore
+from helpers import B, Setup, check_private, dense_setup, gpt2, per_example_shapes, private_fn
 
 import dpzero_jax as dz
 from dpzero_jax.program import mode as program_mode
@@ -400,28 +399,13 @@ def test_pallas_norm_kernels_on_the_program_front_end():
                   floor=1e-4)
 
 
-def _dense_setup(width: int, length: int, key_seed: int, data_seed: int) -> Setup:
-    """``tanh(x @ w).mean(T) @ head`` in plain JAX: a ``[width, width]`` weight at ``length`` positions."""
-    keys = jax.random.split(jax.random.key(key_seed), 2)
-    params = {"w": jax.random.normal(keys[0], (width, width)) / np.sqrt(width),
-              "head": jax.random.normal(keys[1], (width, 3)) / np.sqrt(width)}
-    rng = np.random.default_rng(data_seed)
-    batch = {"x": jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32),
-             "y": jnp.asarray(rng.integers(0, 3, (B,)), jnp.int32)}
-
-    def loss_fn(p, b):
-        h = jnp.tanh(b["x"] @ p["w"]).mean(1)
-        return -jnp.take_along_axis(jax.nn.log_softmax(h @ p["head"]), b["y"][:, None], 1)[:, 0]
-    return Setup("dense", params, loss_fn, batch, ())
-
-
 def test_fastest_rule_in_explain_ghost_and_bk():
     """A dense weight ``[128, 128]`` at T 64: the space rule (``"mixed"``) picks the ghost norm (2 T^2 = 8192 <
     16384), the FLOP rule (``"fastest"``) instantiation (ghost T^2 (rows + cols) = 1048576 multiply-adds against
     60 rows cols = 983040 for instantiation with reuse). ``explain_plan`` reports the rule book-keeping applies, and
     ghost and book-keeping give exact norms and clipped gradients under both rules."""
     width, length = 128, 64
-    setup = _dense_setup(width, length, key_seed=11, data_seed=12)
+    setup = dense_setup(width, length, key_seed=11, data_seed=12)
     params, loss_fn, batch = setup.params, setup.loss_fn, setup.batch
     for method, expected in (("mixed", "ghost"), ("fastest", "instantiate")):
         cfg = dz.DPConfig(norm_method=method, front_end="program")
@@ -433,24 +417,6 @@ def test_fastest_rule_in_explain_ghost_and_bk():
                           front_end="program")
 
 
-def _shapes_in(jaxpr) -> set:
-    """The shapes of every value a jaxpr and its sub-jaxprs compute."""
-    shapes = set()
-    for eqn in jaxpr.eqns:
-        shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            shapes |= _shapes_in(sub)
-    return shapes
-
-
-def _per_example_shapes(setup: Setup, cfg, weight_shape: tuple) -> set:
-    """Shapes in the traced private step that hold a ``weight_shape`` gradient per example (a leading axis or
-    more before it)."""
-    jaxpr = jax.make_jaxpr(dz.private_value_and_grad(setup.loss_fn, cfg))(setup.params, setup.batch,
-                                                                          jax.random.key(0))
-    return {s for s in _shapes_in(jaxpr.jaxpr) if len(s) > len(weight_shape) and s[-len(weight_shape):] == weight_shape}
-
-
 def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
     """Ghost mode sums every weight by its second pullback, and fused mode's taps return ``C g`` to the weight path,
     so the time rule never reuses an instantiated gradient there: it counts the instantiation's own contraction,
@@ -459,13 +425,13 @@ def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
     ``explain_plan`` says so per mode, the traced ghost and fused steps hold no per-example ``[128, 128]`` gradient
     (book-keeping's does), and all stay exact."""
     width, length = 128, 64
-    setup = _dense_setup(width, length, key_seed=13, data_seed=14)
+    setup = dense_setup(width, length, key_seed=13, data_seed=14)
     params, loss_fn, batch = setup.params, setup.loss_fn, setup.batch
 
     def per_example_weight_grads(mode):
         cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode=mode, norm_method="fastest",
                           groups="param-wise", front_end="program")
-        return _per_example_shapes(setup, cfg, (width, width))
+        return per_example_shapes(setup, cfg, (width, width))
 
     for mode, expected in (("bk", "instantiate"), ("ghost", "ghost"), ("fused", "ghost")):
         cfg = dz.DPConfig(mode=mode, norm_method="fastest", groups="param-wise", front_end="program")
@@ -526,5 +492,5 @@ def test_fastest_rule_in_explain_on_the_layers_front_end():
         report = dz.explain_plan(loss_fn, cfg, params, batch)
         assert (report.front_end, report.mode) == ("layers", mode)
         assert {r["path"]: r["method"] for r in report.rows}["w/kernel"] == "ghost", mode
-        assert not _per_example_shapes(setup, cfg, (width, width)), mode
+        assert not per_example_shapes(setup, cfg, (width, width)), mode
         check_private(setup, clip_fn="abadi", groups="param-wise", mode=mode, norm_method="fastest")
