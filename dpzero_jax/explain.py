@@ -8,7 +8,8 @@ Rows: ``rule`` -- how the parameter's uses were recognised (layers front-end: th
 program front-end: ``dot`` / ``conv`` / ``gather`` / ``local`` sites, or ``fallback``); ``method`` -- ``ghost``
 (Gram form, ``[T, T]`` per example), ``instantiate`` (the per-example gradient, the parameter's size per example),
 ``direct`` (a small per-example gradient by its rule) or ``fallback`` (autodiff per example); ``per_example_bytes``
--- float32 bytes per example the norm needs; ``why`` -- for a fallback, what in the program caused it.
+-- float32 bytes per example the norm needs; ``why`` -- for a fallback, what in the program caused it; for a weight
+whose ghost norm the time rule's memory bound alone picks, by how much its kept instantiation would exceed the bound.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import jax
 import numpy as np
 
-from dpzero_jax import engine, pergrad
+from dpzero_jax import engine, norm_rules, pergrad
 from dpzero_jax.config import DPConfig
 
 
@@ -49,18 +50,20 @@ def _positions(record) -> int:
     return math.prod(record.input_shape[1:] if record.rule.name == "embed" else record.input_shape[1:-1])
 
 
-def _layers_rule(method: str, records, size: int, reuse: bool = True) -> bool:
-    """Ghost or instantiation for a weight of ``size`` elements used by ``records`` (layer calls), by the rule
-    book-keeping applies to their per-example factors (:func:`dpzero_jax.pergrad.shape_rule`): ``[rows, cols]``
-    is a table's ``[vocabulary, width]`` where an embedding uses it, else a kernel's ``[inputs, outputs]``.
-    ``reuse=False``: ghost and fused, which form the clipped sum by its own contraction."""
+def _layers_rule(method: str, records, size: int, reuse: bool = True) -> tuple[bool, str]:
+    """``(ghost, why)`` for a weight of ``size`` elements used by ``records`` (layer calls), by the rule
+    book-keeping applies to their per-example factors (:func:`dpzero_jax.pergrad.shape_rule`; ``why``: where the
+    time rule's memory bound alone picks the ghost norm): ``[rows, cols]`` is a table's ``[vocabulary, width]``
+    where an embedding uses it, else a kernel's ``[inputs, outputs]``. ``reuse=False``: ghost and fused, which form
+    the clipped sum by its own contraction."""
     embeds = [r for r in records if r.rule.name == "embed"]
     if embeds:
         cols = embeds[0].output_shape[-1]
     else:
         cols = size // records[0].input_shape[-1]
-    dense = sum(_positions(r) for r in records if r.rule.name != "embed")
-    return pergrad.shape_rule(method, sum(_positions(r) for r in records), dense, size // cols, cols, reuse)
+    shape = (sum(_positions(r) for r in records), sum(_positions(r) for r in records if r.rule.name != "embed"),
+             size // cols, cols)
+    return pergrad.shape_rule(method, *shape, reuse), norm_rules.bound_note(method, *shape, reuse)
 
 
 def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
@@ -70,18 +73,19 @@ def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
     for path in plan.paths:
         uses = plan.uses.get(path, ())
         rules = sorted({by_index[i].rule.name for i, _ in uses})
+        why = ""
         if not uses:
             rule, method, nbytes = "unused", "-", 0
         elif set(rules) <= {"linear", "embed", "rmm_linear"} and any(name in ("kernel", "table") for _, name in uses):
-            ghost = _layers_rule(cfg.norm_method, [by_index[i] for i, _ in uses], sizes[path],
-                                 reuse=cfg.mode not in ("ghost", "fused"))
+            ghost, why = _layers_rule(cfg.norm_method, [by_index[i] for i, _ in uses], sizes[path],
+                                      reuse=cfg.mode not in ("ghost", "fused"))
             positions = sum(_positions(by_index[i]) for i, _ in uses)
             rule, method = "+".join(rules), "ghost" if ghost else "instantiate"
             nbytes = 4 * (positions ** 2 if ghost else sizes[path])
         else:
             rule, method, nbytes = "+".join(rules), "direct", 4 * sizes[path]
         rows.append({"path": path, "rule": rule, "method": method, "per_example_bytes": int(nbytes),
-                     "group": plan.group_names[plan.group_of[path]], "why": ""})
+                     "group": plan.group_names[plan.group_of[path]], "why": why})
     return rows
 
 

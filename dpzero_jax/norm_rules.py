@@ -34,17 +34,31 @@ def operand_elements(positions: int, dense_positions: int, rows: int, cols: int)
     return dense_positions * (rows + cols) + (positions - dense_positions) * (1 + cols)
 
 
-def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True) -> bool:
+def bound_note(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True) -> str:
+    """Where the time rule's memory bound (alone) makes ``shape_rule`` pick the ghost norm, why, in words; else
+    ``""``."""
+    if method != "fastest" or not reuse or not dense_positions:
+        return ""
+    operands = operand_elements(positions, dense_positions, rows, cols)
+    if rows * cols <= INSTANTIATION_MEMORY_BOUND * operands or shape_rule(method, positions, dense_positions, rows,
+                                                                         cols, reuse=True, bound=False):
+        return ""   # within the bound, or the ghost norm without it
+    return (f"ghost by the time rule's memory bound: kept instantiated it would hold {rows * cols / operands:.1f}x "
+            f"its operands (more than {INSTANTIATION_MEMORY_BOUND}x)")
+
+
+def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True,
+               bound: bool = True) -> bool:
     """Ghost (``True``) or instantiation by ``"mixed"`` / ``"fastest"`` (``pergrad.use_ghost``, XLA kernels) for a
     ``[rows, cols]`` parameter used at ``positions`` positions per example, ``dense_positions`` of them by dense
     (not embedding) uses; ``reuse``: whether an instantiated gradient is reused for the clipped sum, and so kept
     through the step (``"fastest"`` then instantiates only within ``INSTANTIATION_MEMORY_BOUND`` times the
-    operands, :func:`operand_elements`)."""
+    operands, :func:`operand_elements`; ``bound=False`` leaves the bound out)."""
     if method in ("ghost", "instantiate"):
         return method == "ghost"
     if method == "fastest" and dense_positions:
-        if reuse and rows * cols > INSTANTIATION_MEMORY_BOUND * operand_elements(positions, dense_positions, rows,
-                                                                                   cols):
+        operands = operand_elements(positions, dense_positions, rows, cols)
+        if bound and reuse and rows * cols > INSTANTIATION_MEMORY_BOUND * operands:
             return True
         # right Grams for every pair of uses, left Grams as contractions only between dense uses (an embedding's
         # left Gram is an equality test or a gather)

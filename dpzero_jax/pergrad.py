@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 # the rules on shapes alone live in a module without JAX (the planner uses them); re-exported here
+from dpzero_jax import norm_rules
 from dpzero_jax.norm_rules import INSTANTIATION_COST, INSTANTIATION_MEMORY_BOUND, shape_rule, space_rule  # noqa: F401
 from dpzero_jax_kernels import ghost_norm
 
@@ -201,6 +202,15 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
         return total_positions * (uses[0].rows + uses[0].cols) < 2 * rows_times_cols
     dense_positions = sum(u.positions for u in uses if not u.left_is_ids)
     return shape_rule(method, total_positions, dense_positions, uses[0].rows, uses[0].cols, reuse)
+
+
+def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> str:
+    """Why :func:`use_ghost` picks the ghost norm where only the time rule's memory bound decides it (for
+    ``explain_plan``); else ``""``."""
+    if any(isinstance(u, Direct) for u in uses) or (kernel == "pallas" and not any(u.left_is_ids for u in uses)):
+        return ""
+    positions, dense_positions = sum(u.positions for u in uses), sum(u.positions for u in uses if not u.left_is_ids)
+    return norm_rules.bound_note(method, positions, dense_positions, uses[0].rows, uses[0].cols, reuse)
 
 
 def _concat_positions(arrays: Sequence[Array]) -> Array:

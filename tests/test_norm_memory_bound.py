@@ -46,6 +46,11 @@ def test_shape_rule_with_the_bound(positions, rows, cols, reuse, ghost):
     memory_ghost = reuse and rows * cols > 2 * positions * (rows + cols)
     assert (time_ghost or memory_ghost) is ghost
     assert norm_rules.shape_rule("fastest", positions, positions, rows, cols, reuse) is ghost
+    # explain_plan's reason: only where the bound alone decides
+    note = norm_rules.bound_note("fastest", positions, positions, rows, cols, reuse)
+    assert bool(note) is (memory_ghost and not time_ghost)
+    if note:
+        assert f"{rows * cols / (positions * (rows + cols)):.1f}x its operands (more than 2x)" in note
     # the other rules do not look at the bound
     assert norm_rules.shape_rule("mixed", positions, positions, rows, cols, reuse) is (2 * positions ** 2 < rows * cols)
     assert norm_rules.shape_rule("instantiate", positions, positions, rows, cols, reuse) is False
@@ -78,6 +83,7 @@ def test_program_front_end_bk_respects_the_bound(dense):
     rows = {r["path"]: r for r in dz.explain_plan(setup.loss_fn, cfg, setup.params, setup.batch).rows}
     assert rows["w"]["method"] == ("ghost" if bound else "instantiate")
     assert rows["w"]["per_example_bytes"] == 4 * (length ** 2 if bound else WIDTH * WIDTH)
+    assert ("memory bound" in rows["w"]["why"]) is bound and rows["head"]["why"] == ""
     assert bool(per_example_shapes(setup, cfg, (WIDTH, WIDTH))) is not bound
     check_private(setup, clip_fn="abadi", groups="param-wise", mode="bk", norm_method="fastest",
                   front_end="program")
@@ -117,7 +123,9 @@ def test_layers_front_end_bk_respects_the_bound():
                       groups="param-wise")
     report = dz.explain_plan(loss_fn, cfg, params, batch)
     assert report.front_end == "layers"
-    assert {r["path"]: r["method"] for r in report.rows}["w/kernel"] == "ghost"
+    rows = {r["path"]: r for r in report.rows}
+    assert rows["w/kernel"]["method"] == "ghost"
+    assert "2.4x its operands" in rows["w/kernel"]["why"]      # 768^2 / (160 * 1536)
     assert not per_example_shapes(setup, cfg, (WIDTH, WIDTH))
     check_private(setup, clip_fn="abadi", groups="param-wise", mode="bk", norm_method="fastest")
 

@@ -367,7 +367,8 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
     ``method`` (``ghost`` / ``instantiate`` for factored uses by the rule of ``cfg.norm_method`` -- for ``conv`` on
     the unfolded sizes -- ``instantiate`` for local sites, ``fallback``:
     autodiff per example), ``per_example_bytes`` (float32 bytes the norm needs per example), ``group``, ``why``
-    (the reason for a fallback). ``summed_elsewhere``: leaves (indices) whose clipped sum does not reuse an
+    (the reason for a fallback, or the time rule's memory bound where it alone picks the ghost norm).
+    ``summed_elsewhere``: leaves (indices) whose clipped sum does not reuse an
     instantiated gradient (ghost mode's leaves, summed by its second pullback, and the groups fused mode clips in
     their own backward, summed by the weight path: :func:`pergrad.use_ghost` with ``reuse=False``).
     """
@@ -391,7 +392,9 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
             elif "conv" in kinds:
                 how, nbytes = _explain_conv(leaf_sites, method, size, reuse=i not in summed_elsewhere)
             else:
-                how, nbytes = factored_form(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere)
+                reuse = i not in summed_elsewhere
+                how, nbytes = factored_form(leaf_sites, method, kernel, size, reuse=reuse)
+                why = factored_note(leaf_sites, method, kernel, reuse=reuse) if how == "ghost" else ""
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
                      "group": group_label(plan, plan.group_of[path]), "why": why})
     return rows
@@ -410,6 +413,28 @@ def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool =
     """``(method, per-example bytes)`` of a leaf used by dot / gather sites, as book-keeping decides: the sites'
     factors (shapes only, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one example)
     go through the rule of :func:`_outer_norm_and_sum`; uses whose blocks or layouts differ are instantiated."""
+    factored = _abstract_uses(leaf_sites)
+    if factored is None:
+        return "instantiate", 4 * size
+    uses, blocks = factored
+    if pergrad.use_ghost(uses, method, kernel if blocks == 1 else "xla", reuse):
+        positions = sum(u.positions for u in uses)
+        return "ghost", 4 * blocks * positions ** 2
+    return "instantiate", 4 * size
+
+
+def factored_note(leaf_sites, method: str, kernel: str, reuse: bool = True) -> str:
+    """:func:`factored_form`'s reason, where the time rule's memory bound alone picks the ghost norm; else ``""``."""
+    factored = _abstract_uses(leaf_sites)
+    if factored is None:
+        return ""
+    uses, blocks = factored
+    return pergrad.use_note(uses, method, kernel if blocks == 1 else "xla", reuse)
+
+
+def _abstract_uses(leaf_sites):
+    """``(pergrad Outer uses of one example's shapes, blocks)`` of a leaf's dot / gather sites, or ``None`` when
+    their blocks or layouts differ (no shared cross terms: instantiated)."""
     factors = []
     for site in leaf_sites:
         lead = (1,) + tuple(site.lengths)
@@ -425,14 +450,10 @@ def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool =
         left, right = jax.eval_shape(shapes, operands, jax.ShapeDtypeStruct(lead + tuple(out.shape), jnp.float32))
         factors.append((left.shape[1:], right.shape[1:], static))
     if len({f[2]["structure"] + (f[0][0],) for f in factors}) > 1:      # as _same_blocks: no shared cross terms
-        return "instantiate", 4 * size
-    blocks = factors[0][0][0]
+        return None
     uses = [pergrad.Outer(jax.ShapeDtypeStruct(left, jnp.float32), jax.ShapeDtypeStruct(right, jnp.float32),
                           st["rows"], (st["rows"], right[-1]), st["ids"]) for left, right, st in factors]
-    if pergrad.use_ghost(uses, method, kernel if blocks == 1 else "xla", reuse):
-        positions = sum(u.positions for u in uses)
-        return "ghost", 4 * blocks * positions ** 2
-    return "instantiate", 4 * size
+    return uses, factors[0][0][0]
 
 
 def _explain_conv(leaf_sites, method: str, size: int, reuse: bool = True) -> tuple[str, int]:
