@@ -392,9 +392,7 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
             elif "conv" in kinds:
                 how, nbytes = _explain_conv(leaf_sites, method, size, reuse=i not in summed_elsewhere)
             else:
-                reuse = i not in summed_elsewhere
-                how, nbytes = factored_form(leaf_sites, method, kernel, size, reuse=reuse)
-                why = factored_note(leaf_sites, method, kernel, reuse=reuse) if how == "ghost" else ""
+                how, nbytes, why = _factored_row(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere)
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
                      "group": group_label(plan, plan.group_of[path]), "why": why})
     return rows
@@ -413,23 +411,21 @@ def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool =
     """``(method, per-example bytes)`` of a leaf used by dot / gather sites, as book-keeping decides: the sites'
     factors (shapes only, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one example)
     go through the rule of :func:`_outer_norm_and_sum`; uses whose blocks or layouts differ are instantiated."""
+    return _factored_row(leaf_sites, method, kernel, size, reuse)[:2]
+
+
+def _factored_row(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True) -> tuple[str, int, str]:
+    """:func:`factored_form` and its reason where the time rule's memory bound alone picks the ghost norm (else
+    ``""``)."""
     factored = _abstract_uses(leaf_sites)
     if factored is None:
-        return "instantiate", 4 * size
+        return "instantiate", 4 * size, ""
     uses, blocks = factored
-    if pergrad.use_ghost(uses, method, kernel if blocks == 1 else "xla", reuse):
+    kernel = kernel if blocks == 1 else "xla"
+    if pergrad.use_ghost(uses, method, kernel, reuse):
         positions = sum(u.positions for u in uses)
-        return "ghost", 4 * blocks * positions ** 2
-    return "instantiate", 4 * size
-
-
-def factored_note(leaf_sites, method: str, kernel: str, reuse: bool = True) -> str:
-    """:func:`factored_form`'s reason, where the time rule's memory bound alone picks the ghost norm; else ``""``."""
-    factored = _abstract_uses(leaf_sites)
-    if factored is None:
-        return ""
-    uses, blocks = factored
-    return pergrad.use_note(uses, method, kernel if blocks == 1 else "xla", reuse)
+        return "ghost", 4 * blocks * positions ** 2, pergrad.use_note(uses, method, kernel, reuse)
+    return "instantiate", 4 * size, ""
 
 
 def _abstract_uses(leaf_sites):
