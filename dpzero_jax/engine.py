@@ -109,7 +109,10 @@ def resolve_target(cfg: DPConfig, mode: str | None = None) -> DPConfig:
     rule. On the CPU (``experiments/bench_overhead.py``'s W2 and W3, where sequences are long against the widths; W1
     picks the same forms under both rules) it takes book-keeping's gradient from 0.99-1.01x to 0.88-0.92x the
     non-private one on the layers front-end and from 1.03-1.07x to 0.93-0.95x on the program front-end (GPT-2 from
-    Flax layers), for up to 1.1x the space rule's temporaries. On GPUs the time rule was not measured, and
+    Flax layers), for up to 1.1x the space rule's temporaries. A gradient that book-keeping keeps for the sum is
+    instantiated only within twice the operands its ghost norm keeps (``norm_rules.INSTANTIATION_MEMORY_BOUND``):
+    without that bound ViT-B/16 at 32 images per v5e chip held 3.73x the non-private step's temporaries, with it
+    1.60x (``docs/benchmarks/front_ends.md``). On GPUs the time rule was not measured, and
     the space rule keeps the per-example buffers small where device memory is the limit; ``"mixed"`` is the choice
     on a CPU too when memory is (the instantiated per-example gradients are ``B x`` their weights).
     """
