@@ -38,14 +38,11 @@ def operand_elements(positions: int, dense_positions: int, rows: int, cols: int)
 def bound_note(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True) -> str:
     """Where the time rule's memory bound (alone) makes ``shape_rule`` pick the ghost norm, why, in words; else
     ``""``."""
-    if method != "fastest" or not reuse or not dense_positions:
-        return ""
-    operands = operand_elements(positions, dense_positions, rows, cols)
-    if rows * cols <= INSTANTIATION_MEMORY_BOUND * operands or shape_rule(method, positions, dense_positions, rows,
-                                                                         cols, reuse=True, bound=False):
-        return ""   # within the bound, or the ghost norm without it
-    return (f"ghost by the time rule's memory bound: kept instantiated it would hold {rows * cols / operands:.1f}x "
-            f"its operands (more than {INSTANTIATION_MEMORY_BOUND}x)")
+    shape = (positions, dense_positions, rows, cols)
+    if not shape_rule(method, *shape, reuse) or shape_rule(method, *shape, reuse, bound=False):
+        return ""   # instantiated, or the ghost norm without the bound
+    return (f"ghost by the time rule's memory bound: kept instantiated it would hold "
+            f"{rows * cols / operand_elements(*shape):.1f}x its operands (more than {INSTANTIATION_MEMORY_BOUND}x)")
 
 
 def shape_rule(method: str, positions: int, dense_positions: int, rows: int, cols: int, reuse: bool = True,

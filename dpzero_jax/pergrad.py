@@ -196,12 +196,9 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
         return True
     if method == "instantiate":
         return False
-    total_positions = sum(u.positions for u in uses)
-    rows_times_cols = math.prod(uses[0].shape)
     if kernel == "pallas" and not any(u.left_is_ids for u in uses):
-        return total_positions * (uses[0].rows + uses[0].cols) < 2 * rows_times_cols
-    dense_positions = sum(u.positions for u in uses if not u.left_is_ids)
-    return shape_rule(method, total_positions, dense_positions, uses[0].rows, uses[0].cols, reuse)
+        return sum(u.positions for u in uses) * (uses[0].rows + uses[0].cols) < 2 * math.prod(uses[0].shape)
+    return shape_rule(method, *_rule_shape(uses), reuse)
 
 
 def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> str:
@@ -209,8 +206,14 @@ def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", r
     ``explain_plan``); else ``""``."""
     if any(isinstance(u, Direct) for u in uses) or (kernel == "pallas" and not any(u.left_is_ids for u in uses)):
         return ""
-    positions, dense_positions = sum(u.positions for u in uses), sum(u.positions for u in uses if not u.left_is_ids)
-    return norm_rules.bound_note(method, positions, dense_positions, uses[0].rows, uses[0].cols, reuse)
+    return norm_rules.bound_note(method, *_rule_shape(uses), reuse)
+
+
+def _rule_shape(uses: Sequence[Outer]) -> tuple[int, int, int, int]:
+    """``(positions, dense positions, rows, cols)`` of a parameter's factored uses: the arguments of the rules on
+    shapes (:mod:`dpzero_jax.norm_rules`)."""
+    return (sum(u.positions for u in uses), sum(u.positions for u in uses if not u.left_is_ids), uses[0].rows,
+            uses[0].cols)
 
 
 def _concat_positions(arrays: Sequence[Array]) -> Array:
