@@ -11,7 +11,12 @@
 # Each part has its own time limit so that one slow compile leaves the others' output. Logs and JSON go to $OUT
 # (the device tool's output folder; /tmp/gpu_bf16 otherwise). A persistent compilation cache lets parts 2 and 3
 # share the non-private step's compile. dp-accounting and dm-tree are installed from .gpuwheels/ when that folder
-# is there (the GPU image lacks them and reaches no registry).
+# is there (the GPU image lacks them and reaches no registry). Make it here, ignored by git, and name it in the
+# device tool's `carry`:
+#
+#   pip download dp-accounting==0.6.0 dm-tree --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpuwheels
+#   echo "/.gpuwheels/" >> .git/info/exclude
 #
 #   bash experiments/gpu_bf16.sh [LIMIT1 LIMIT2 LIMIT3]     # seconds per part (default 200 160 140)
 set -uo pipefail
