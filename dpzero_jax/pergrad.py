@@ -196,7 +196,7 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
         return True
     if method == "instantiate":
         return False
-    if kernel == "pallas" and not any(u.left_is_ids for u in uses):
+    if _kernels_decide(uses, kernel):
         return sum(u.positions for u in uses) * (uses[0].rows + uses[0].cols) < 2 * math.prod(uses[0].shape)
     return shape_rule(method, *_rule_shape(uses), reuse)
 
@@ -204,9 +204,15 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
 def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> str:
     """Why :func:`use_ghost` picks the ghost norm where only the time rule's memory bound decides it (for
     ``explain_plan``); else ``""``."""
-    if any(isinstance(u, Direct) for u in uses) or (kernel == "pallas" and not any(u.left_is_ids for u in uses)):
+    if any(isinstance(u, Direct) for u in uses) or _kernels_decide(uses, kernel):
         return ""
     return norm_rules.bound_note(method, *_rule_shape(uses), reuse)
+
+
+def _kernels_decide(uses: Sequence[Outer], kernel: str) -> bool:
+    """Whether :func:`use_ghost` compares the Pallas kernels' operations (dense uses only) instead of applying the
+    rules on shapes."""
+    return kernel == "pallas" and not any(u.left_is_ids for u in uses)
 
 
 def _rule_shape(uses: Sequence[Outer]) -> tuple[int, int, int, int]:
