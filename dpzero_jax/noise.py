@@ -9,7 +9,7 @@ sharding. Two ways of computing those same values (``DPConfig.noise_rng``; its d
 on a CPU and ``"partitionable"`` on a GPU or TPU, see :func:`resolve_rng`):
 
 * ``"blocked"``: Threefry on the coordinates' counters written out as elementwise operations
-  (:func:`threefry_2x32`, :func:`normal_at`), one loop over blocks of ``NOISE_BLOCK`` coordinates updated in place
+  (:func:`threefry_2x32`, :func:`normal_at`), two loops over blocks of coordinates updated in place
   (:func:`_noised_in_blocks`); fastest on one CPU, no gradient-sized temporary, two generators in the program
   whatever the number of leaves;
 * ``"partitionable"``: ``jax.random.normal`` per leaf, one elementwise computation that XLA fuses into the noised
@@ -164,7 +164,10 @@ def normal_at(key_words, index) -> jax.Array:
     return jnp.float32(np.sqrt(2.0)) * jax.lax.erf_inv(uniform)
 
 
-NOISE_BLOCK = 1 << 16   # coordinates per iteration of the blocked loop (the values do not depend on it)
+NOISE_BLOCK = 1 << 16        # coordinates per iteration of the loop over large leaves (the values do not depend on it)
+SMALL_NOISE_BLOCK = 1 << 10  # coordinates per iteration of the loop over small leaves
+SMALL_LEAF = 1 << 14         # leaves of at most this many elements are small
+SWITCH_GROUP = 8             # small leaves updated under one conditional
 
 
 def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -186,59 +189,47 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
     """``(leaf + std * N(0, I)) / expected_batch_size`` in float32, cast back, for every leaf: leaf ``j``'s noise
     :func:`normal_at` of ``fold_in(key, j)`` at each of its flat positions, as ``jax.random.normal`` would draw it.
 
-    The leaves of more than ``NOISE_BLOCK`` elements are *vectors* of their own (flattened, float32); the others are
-    concatenated in flatten order into one more vector, each position's leaf and index in that leaf known
-    statically. One ``fori_loop`` visits every block of every vector (``NOISE_BLOCK`` coordinates, or all of them
-    when the leaves are all small and fewer together): it draws the block's normals
-    (a large leaf's block from one key; the small leaves' from each position's leaf's key, looked up) and updates
-    the block's owner under a ``cond``, in place, on the flattened leaf itself (a float32 leaf is neither padded nor
-    copied; a last partial block is a static slice). So the program holds two generators whatever the number of
-    leaves (each costs ~0.1-0.3 s of XLA:CPU compile time), and the step's peak memory stays at the non-DP level
-    (drawing a large leaf in one go made XLA keep extra gradient-sized copies).
+    Two loops (:func:`_noise_loop`): one over the blocks of ``NOISE_BLOCK`` coordinates of the leaves of more than
+    ``SMALL_LEAF`` elements, one over the blocks of ``SMALL_NOISE_BLOCK`` of the others. Every block lies in one
+    leaf, drawn from that leaf's key and added to it in place, flattened (a float32 leaf is neither padded nor
+    copied). So the program holds two generators whatever the number of leaves (each costs ~0.1 s of XLA:CPU
+    compile time), the step's peak memory stays at the non-DP level (drawing a large leaf in one go made XLA keep
+    extra gradient-sized copies), and every leaf comes out as a buffer of its own, updated by kernels that depend on
+    its shape only: XLA:CPU compiles one kernel for all the leaves of a shape, and likewise for the optimiser's
+    update that reads them. (Until 2026-11-29 the small leaves were concatenated into one vector and read back out
+    at their offsets: a kernel per leaf, which also made each leaf's optimiser kernels distinct -- W3's private
+    training step compiled 273 distinct kernels, 217 since, at about 10 ms of compile time each.)
     """
     sizes = [math.prod(leaf.shape) for leaf in leaves]
-    if max(sizes) >= 2 ** 31:   # positions are uint32 counters, block starts int32 offsets
+    if max(sizes, default=0) >= 2 ** 31:   # positions are uint32 counters, block starts int32 offsets
         raise ValueError(f"the blocked noise generator draws leaves of fewer than 2**31 elements; a leaf has "
                          f"{max(sizes)}: use DPConfig(noise_rng='partitionable')")
-    large = [j for j, n in enumerate(sizes) if n > NOISE_BLOCK]
-    small = [j for j, n in enumerate(sizes) if 0 < n <= NOISE_BLOCK]
     out = [(leaf.astype(jnp.float32) / expected_batch_size).astype(leaf.dtype) if n == 0 else None   # empty leaves
            for leaf, n in zip(leaves, sizes)]
-    if not large and not small:
-        return out
-    flats = [leaves[j].reshape(-1).astype(jnp.float32) for j in large]
-    if small:
-        flats.append(jnp.concatenate([leaves[j].reshape(-1).astype(jnp.float32) for j in small]))
-    # NOISE_BLOCK coordinates a block; when the leaves are all small and have fewer together, half of them: two
-    # iterations, because XLA inlines a loop of one and then copies the generator into every leaf's slice (seconds
-    # of compile time for a few dozen leaves)
-    block = min(NOISE_BLOCK, -(-max(flat.size for flat in flats) // 2)) if not large else NOISE_BLOCK
     root = _key_words(key)
-    large_index = jnp.asarray(large + [0] * bool(small), jnp.uint32)     # vector -> its leaf's index j
+    for block, chosen in ((NOISE_BLOCK, [j for j, n in enumerate(sizes) if n > SMALL_LEAF]),
+                          (SMALL_NOISE_BLOCK, [j for j, n in enumerate(sizes) if 0 < n <= SMALL_LEAF])):
+        if chosen:
+            flats = [leaves[j].reshape(-1).astype(jnp.float32) for j in chosen]
+            for j, flat in zip(chosen, _noise_loop(flats, chosen, root, block, std, expected_batch_size)):
+                out[j] = flat.reshape(leaves[j].shape).astype(leaves[j].dtype)
+    return out
+
+
+def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: float):
+    """The loop of :func:`_noised_in_blocks` over the blocks of ``block`` coordinates of the float32 vectors
+    ``flats`` (leaf ``indices[v]`` of the gradient each), vector after vector: an iteration draws its block from
+    the key ``fold_in(root, indices[v])`` at the block's positions and adds it to vector ``v`` in place, under
+    conditionals that pass ``v`` alone when it is large (a conditional passing several vectors makes XLA copy the
+    ones it passes through, 3x the loop's time for 1M-element vectors) and a group of ``SWITCH_GROUP`` small ones
+    otherwise (one ``cond`` per group and a ``switch`` in it: each conditional's predicate is one more kernel to
+    compile, and XLA's copy insertion grows like the cube of a conditional's operands -- 100 small leaves under one
+    ``switch`` took 11 s to compile).
+    Returns the noised vectors, in order."""
     n_blocks = [-(-flat.size // block) for flat in flats]
     owner = jnp.asarray(np.repeat(np.arange(len(flats)), n_blocks), jnp.int32)
+    leaf_of_block = jnp.asarray(np.repeat(np.asarray(indices), n_blocks), jnp.uint32)
     local = jnp.asarray(np.concatenate([np.arange(n) for n in n_blocks]), jnp.uint32)
-    if small:   # per position of the small leaves' vector (constants): which small leaf, and where in it
-        padded = n_blocks[-1] * block
-        leaf_of = np.repeat(np.arange(len(small)), [sizes[j] for j in small])
-        index_of = np.concatenate([np.arange(sizes[j]) for j in small])
-        leaf_of = np.concatenate([leaf_of, np.full(padded - leaf_of.size, len(small) - 1)])
-        index_of = np.concatenate([index_of, np.zeros(padded - index_of.size, np.int64)])
-        leaf_of = jnp.asarray(leaf_of.astype(np.uint16 if len(small) <= 2 ** 16 else np.uint32))
-        index_of = jnp.asarray(index_of.astype(np.uint16 if NOISE_BLOCK <= 2 ** 16 else np.uint32))
-        small_k0, small_k1 = fold_in_words(root, jnp.asarray(small, jnp.uint32))   # [small leaves] each
-
-    def large_block(start, vector):
-        # positions from an iota made here, in the loop, which fuses into the generator (an array captured from
-        # outside the loop would be one more block-sized buffer)
-        position = start + jax.lax.iota(jnp.uint32, block)
-        return normal_at(fold_in_words(root, large_index[vector]), position)
-
-    def small_block(start, vector):
-        at = start.astype(jnp.int32)
-        leaf = jax.lax.dynamic_slice(leaf_of, (at,), (block,)).astype(jnp.int32)
-        index = jax.lax.dynamic_slice(index_of, (at,), (block,)).astype(jnp.uint32)
-        return normal_at((small_k0[leaf], small_k1[leaf]), index)
 
     def updater(size: int):
         full, tail = divmod(size, block)
@@ -258,23 +249,37 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
 
     updaters = [updater(flat.size) for flat in flats]
 
-    def noise_block(step, flats):
-        vector = owner[step]
-        start = local[step] * jnp.uint32(block)
-        if small:
-            normal = jax.lax.cond(vector == len(flats) - 1, small_block, large_block, start, vector)
-        else:
-            normal = large_block(start, vector)
-        start = start.astype(jnp.int32)
-        return tuple(jax.lax.cond(vector == v, update, lambda f, s, n: f, flat, start, normal)
-                     for v, (flat, update) in enumerate(zip(flats, updaters)))
+    size = 1 if block == NOISE_BLOCK else SWITCH_GROUP
+    groups = [list(range(lo, min(lo + size, len(flats)))) for lo in range(0, len(flats), size)]
+    group_of_block = owner // size
+    member_of_block = owner % size
 
-    flats = jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(flats))
-    for j, flat in zip(large, flats):
-        out[j] = flat.reshape(leaves[j].shape).astype(leaves[j].dtype)
-    if small:
-        offset = 0
-        for j in small:
-            out[j] = flats[-1][offset:offset + sizes[j]].reshape(leaves[j].shape).astype(leaves[j].dtype)
-            offset += sizes[j]
-    return out
+    def group_update(members):
+        if len(members) == 1:
+            return lambda member, group, start, normal: (updaters[members[0]](group[0], start, normal),)
+
+        def update(member, group, start, normal):
+            def branch(i):
+                return lambda grp, s, n: (*grp[:i], updaters[members[i]](grp[i], s, n), *grp[i + 1:])
+            return jax.lax.switch(member, [branch(i) for i in range(len(members))], group, start, normal)
+        return update
+
+    updates = [group_update(members) for members in groups]
+
+    def noise_block(step, flats):
+        start = local[step] * jnp.uint32(block)
+        # positions from an iota made here, in the loop, which fuses into the generator (an array captured from
+        # outside the loop would be one more block-sized buffer)
+        normal = normal_at(fold_in_words(root, leaf_of_block[step]), start + jax.lax.iota(jnp.uint32, block))
+        start = start.astype(jnp.int32)
+        member, out = member_of_block[step], []
+        for g, (members, update) in enumerate(zip(groups, updates)):
+            group = tuple(flats[v] for v in members)
+            if len(groups) == 1:
+                out += update(member, group, start, normal)
+            else:
+                out += jax.lax.cond(group_of_block[step] == g, update, lambda m, grp, s, n: grp, member, group,
+                                    start, normal)
+        return tuple(out)
+
+    return jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(flats))

@@ -4,6 +4,7 @@ the caller's key, reproducible, and independent across leaves."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import reference as ref
 from helpers import B, Setup, build, mlp_batch, private_fn
 
 import dpzero_jax as dz
-from dpzero_jax.noise import NOISE_BLOCK
+from dpzero_jax.noise import NOISE_BLOCK, SMALL_LEAF, SMALL_NOISE_BLOCK, SWITCH_GROUP
 
 
 @functools.cache
@@ -157,6 +158,8 @@ def test_threefry_is_jax_threefry_and_normal_at_is_jax_random_normal():
     [(100,)] * 40,                                               # many small leaves, fewer than a block
     [(0,), (7,), (NOISE_BLOCK + 1,), (0, 3)],                    # empty leaves
     [(NOISE_BLOCK,), (2 * NOISE_BLOCK,)],                        # whole blocks only
+    [(SMALL_LEAF,), (SMALL_LEAF + 1,), (SMALL_NOISE_BLOCK + 1,), (3,)],   # either side of the small leaves' bound
+    [(2 * SMALL_NOISE_BLOCK + 7,)] + [(5 + j,) for j in range(2 * SWITCH_GROUP + 1)],   # three groups of small leaves
 ])
 def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
     """Whatever the mix of leaf sizes, the blocked loop draws leaf ``j``'s noise as ``jax.random.normal(fold_in(key,
@@ -175,17 +178,49 @@ def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
 
 
 def test_blocked_noise_needs_no_gradient_sized_or_per_position_buffers():
-    """The loop noises every leaf in place: its compiled temporaries are the small leaves' concatenated vector and
-    at most one block (the key words and indices it reads per position stay inside the generator's fusion; an iota
-    captured from outside the loop, or per-position key tables built before it, once added up to three block-sized
-    buffers), not a copy of a large leaf."""
+    """The loops noise every leaf in place: their compiled temporaries are at most a block of each loop (the key
+    words and positions stay inside the generator's fusion; an iota captured from outside the loop, or per-position
+    key tables built before it, once added up to three block-sized buffers), not a copy of a leaf."""
     from dpzero_jax import noise
     leaves = [jnp.zeros((3 * NOISE_BLOCK + 5,), jnp.float32), jnp.zeros((4 * NOISE_BLOCK,), jnp.float32)] + \
         [jnp.zeros((100 + j,), jnp.float32) for j in range(20)]
-    small = sum(leaf.size for leaf in leaves[2:])
     compiled = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 2.0, "blocked")).lower(
         leaves, jax.random.key(0)).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes <= 4 * small + 4 * NOISE_BLOCK + 16384   # + scalars
+    assert compiled.memory_analysis().temp_size_in_bytes <= 4 * NOISE_BLOCK + 4 * SMALL_NOISE_BLOCK + 16384
+
+
+def _distinct_fusions(hlo_text: str) -> int:
+    """Computations called by the fusions of a compiled XLA program that differ other than by their names (what
+    XLA:CPU compiles into kernels of their own: it compiles identical ones once)."""
+    bodies, current = {}, None
+    for line in hlo_text.splitlines():
+        if line.startswith("%") and line.rstrip().endswith("{"):
+            current = line.split()[0]
+            bodies[current] = []
+        elif line.startswith("}"):
+            current = None
+        elif current:
+            line = re.sub(r", metadata=\{[^}]*\}", "", line)
+            bodies[current].append(re.sub(r"%[\w.\-]+", "%", line).strip())
+    called = {match.group(1) for line in hlo_text.splitlines() if " fusion(" in line
+              for match in [re.search(r"calls=(%[\w.\-]+)", line)] if match}
+    return len({"\n".join(bodies[name]) for name in called})
+
+
+def test_blocked_noise_compiles_leaves_of_one_shape_once():
+    """Each leaf is updated by kernels that depend on its shape, not on where it sits among the leaves, so the
+    compiled program does not grow a kernel per leaf: 48 leaves of a few shapes (like the biases and norm scales
+    of a model's layers) compile to not many more distinct fusions than 8 do -- the conditionals' predicates, one
+    per group of ``SWITCH_GROUP`` small leaves or per large leaf. (When the small leaves were one concatenated
+    vector read back at their offsets, every leaf added a kernel, and so did each of its optimiser's updates.)"""
+    from dpzero_jax import noise
+    counts = []
+    for n in (8, 48):
+        leaves = [jnp.zeros((64 * (1 + j % 3),), jnp.float32) for j in range(n)]
+        text = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 2.0, "blocked")).lower(
+            leaves, jax.random.key(0)).compile().as_text()
+        counts.append(_distinct_fusions(text))
+    assert counts[1] - counts[0] <= 48 // SWITCH_GROUP + 2, counts   # + the group index and its first predicate
 
 
 def test_blocked_noise_keeps_dtypes_and_takes_any_key():
