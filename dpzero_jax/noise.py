@@ -135,16 +135,31 @@ def threefry_2x32(k0, k1, x0, x1):
     """Threefry-2x32 with 20 rounds (Salmon et al., 2011): key words ``k0, k1``, counter words ``x0, x1`` (uint32,
     broadcast together) -> two uint32 output words. The function ``jax.extend.random.threefry_2x32`` computes, written
     as plain elementwise operations so that XLA:CPU fuses all 20 rounds into one vectorised loop (JAX's own lowering
-    runs its rounds as a loop over whole arrays, about 3x slower there)."""
-    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
+    runs its rounds as a loop over whole arrays, about 3x slower there). Written with ``lax`` operations: each
+    ``jax.numpy`` operator is a function compiled for its operands' shapes, which made the first trace of this
+    function at a new block size take ~0.1 s."""
+    shape = np.broadcast_shapes(*(np.shape(v) for v in (k0, k1, x0, x1)))
+    k0, k1, x0, x1 = (_uint32_like(v, shape) for v in (k0, k1, x0, x1))
+    lax = jax.lax
+    ks = (k0, k1, lax.bitwise_xor(lax.bitwise_xor(k0, k1), np.uint32(0x1BD11BDA)))
+    x0, x1 = lax.add(x0, ks[0]), lax.add(x1, ks[1])
     for i in range(5):
         for r in _THREEFRY_ROTATIONS[i % 2]:
-            x0 = x0 + x1
-            x1 = ((x1 << jnp.uint32(r)) | (x1 >> jnp.uint32(32 - r))) ^ x0
-        x0 = x0 + ks[(i + 1) % 3]
-        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+            x0 = lax.add(x0, x1)
+            rotated = lax.bitwise_or(lax.shift_left(x1, np.uint32(r)), lax.shift_right_logical(x1, np.uint32(32 - r)))
+            x1 = lax.bitwise_xor(rotated, x0)
+        x0 = lax.add(x0, ks[(i + 1) % 3])
+        x1 = lax.add(lax.add(x1, ks[(i + 2) % 3]), np.uint32(i + 1))
     return x0, x1
+
+
+def _uint32_like(value, shape: tuple[int, ...]) -> jax.Array:
+    """``value`` as uint32 with ``shape`` (NumPy broadcasting; a scalar stays a scalar: ``lax`` broadcasts those)."""
+    value = jnp.asarray(value, jnp.uint32)
+    if value.ndim == 0 or value.shape == shape:
+        return value
+    value = value.reshape((1,) * (len(shape) - value.ndim) + value.shape)
+    return jax.lax.broadcast_in_dim(value, shape, tuple(range(len(shape))))
 
 
 _LOWEST = np.nextafter(np.float32(-1.0), np.float32(0.0))
@@ -156,12 +171,15 @@ def normal_at(key_words, index) -> jax.Array:
     ``jax_threefry_partitionable`` (JAX's default), for draws of fewer than ``2**32`` elements. The bits of position
     ``i`` are the XOR of Threefry's two output words for the counter ``(0, i)``; the top 23 become a uniform on
     ``[nextafter(-1, 0), 1)``, mapped to a normal by ``sqrt(2) * erfinv`` -- JAX's own steps, one by one."""
+    lax = jax.lax
     k0, k1 = key_words
-    y0, y1 = threefry_2x32(k0, k1, jnp.zeros_like(index), index)
-    bits = y0 ^ y1
-    unit = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    uniform = jnp.maximum(_LOWEST, unit * (jnp.float32(1.0) - _LOWEST) + _LOWEST)
-    return jnp.float32(np.sqrt(2.0)) * jax.lax.erf_inv(uniform)
+    index = jnp.asarray(index, jnp.uint32)
+    y0, y1 = threefry_2x32(k0, k1, lax.full_like(index, 0), index)
+    bits = lax.bitwise_xor(y0, y1)
+    mantissa = lax.bitwise_or(lax.shift_right_logical(bits, np.uint32(9)), np.uint32(0x3F800000))
+    unit = lax.sub(lax.bitcast_convert_type(mantissa, jnp.float32), np.float32(1.0))
+    uniform = lax.max(_LOWEST, lax.add(lax.mul(unit, np.float32(1.0) - _LOWEST), _LOWEST))
+    return lax.mul(np.float32(np.sqrt(2.0)), lax.erf_inv(uniform))
 
 
 NOISE_BLOCK = 1 << 16        # coordinates per iteration of the loop over large leaves (the values do not depend on it)
@@ -227,32 +245,39 @@ def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: floa
     ``switch`` took 11 s to compile).
     Returns the noised vectors, in order."""
     n_blocks = [-(-flat.size // block) for flat in flats]
-    owner = jnp.asarray(np.repeat(np.arange(len(flats)), n_blocks), jnp.int32)
-    leaf_of_block = jnp.asarray(np.repeat(np.asarray(indices), n_blocks), jnp.uint32)
-    local = jnp.asarray(np.concatenate([np.arange(n) for n in n_blocks]), jnp.uint32)
+    owner = np.repeat(np.arange(len(flats)), n_blocks)
+    group_size = 1 if block == NOISE_BLOCK else SWITCH_GROUP
+    groups = [list(range(lo, min(lo + group_size, len(flats)))) for lo in range(0, len(flats), group_size)]
+    # per block (int32 constants, read in the loop): its leaf's index (its key), its first position in the leaf, its
+    # vector's group and place in the group
+    per_block = jnp.asarray(np.stack([np.repeat(np.asarray(indices), n_blocks),
+                                      np.concatenate([np.arange(n) * block for n in n_blocks]),
+                                      owner // group_size, owner % group_size], axis=1).astype(np.int32))
+    lax = jax.lax
+    std = jnp.asarray(std, jnp.float32)
+    divisor = np.float32(expected_batch_size)
+
+    def noised(current, normal):   # (current + std * normal) / expected_batch_size, in float32
+        return lax.div(lax.add(current, lax.mul(std, normal)), divisor)
 
     def updater(size: int):
         full, tail = divmod(size, block)
 
         def full_block(flat, start, normal):
-            current = jax.lax.dynamic_slice(flat, (start,), (block,))
-            return jax.lax.dynamic_update_slice(flat, (current + std * normal) / expected_batch_size, (start,))
+            current = lax.dynamic_slice(flat, (start,), (block,))
+            return lax.dynamic_update_slice(flat, noised(current, normal), (start,))
 
         def last_block(flat, start, normal):
-            return flat.at[full * block:].set((flat[full * block:] + std * normal[:tail]) / expected_batch_size)
+            current = lax.slice(flat, (full * block,), (size,))
+            return lax.dynamic_update_slice(flat, noised(current, lax.slice(normal, (0,), (tail,))), (full * block,))
         if not tail:
             return full_block
         if not full:
             return last_block
-        return lambda flat, start, normal: jax.lax.cond(start < full * block, full_block, last_block, flat,
-                                                        start, normal)
+        return lambda flat, start, normal: lax.cond(lax.lt(start, np.int32(full * block)), full_block, last_block,
+                                                    flat, start, normal)
 
     updaters = [updater(flat.size) for flat in flats]
-
-    size = 1 if block == NOISE_BLOCK else SWITCH_GROUP
-    groups = [list(range(lo, min(lo + size, len(flats)))) for lo in range(0, len(flats), size)]
-    group_of_block = owner // size
-    member_of_block = owner % size
 
     def group_update(members):
         if len(members) == 1:
@@ -267,19 +292,25 @@ def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: floa
     updates = [group_update(members) for members in groups]
 
     def noise_block(step, flats):
-        start = local[step] * jnp.uint32(block)
+        row = lax.dynamic_index_in_dim(per_block, step, 0, keepdims=False)
+        leaf, start, group_of_block, member = (lax.index_in_dim(row, i, 0, keepdims=False) for i in range(4))
         # positions from an iota made here, in the loop, which fuses into the generator (an array captured from
         # outside the loop would be one more block-sized buffer)
-        normal = normal_at(fold_in_words(root, leaf_of_block[step]), start + jax.lax.iota(jnp.uint32, block))
-        start = start.astype(jnp.int32)
-        member, out = member_of_block[step], []
+        position = lax.add(lax.convert_element_type(start, jnp.uint32), lax.iota(jnp.uint32, block))
+        normal = normal_at(fold_in_words(root, lax.convert_element_type(leaf, jnp.uint32)), position)
+        out = []
         for g, (members, update) in enumerate(zip(groups, updates)):
             group = tuple(flats[v] for v in members)
             if len(groups) == 1:
                 out += update(member, group, start, normal)
             else:
-                out += jax.lax.cond(group_of_block[step] == g, update, lambda m, grp, s, n: grp, member, group,
-                                    start, normal)
+                out += lax.cond(lax.eq(group_of_block, np.int32(g)), update, _unchanged, member, group, start, normal)
         return tuple(out)
 
     return jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(flats))
+
+
+def _unchanged(member, group, start, normal):
+    """The branch of a group of vectors the block is not in."""
+    del member, start, normal
+    return group
