@@ -186,6 +186,7 @@ NOISE_BLOCK = 1 << 16        # coordinates per iteration of the loop over large 
 SMALL_NOISE_BLOCK = 1 << 10  # coordinates per iteration of the loop over small leaves
 SMALL_LEAF = 1 << 14         # leaves of at most this many elements are small
 SWITCH_GROUP = 8             # small leaves updated under one conditional
+MAX_SEPARATE_SMALL = 48      # more small leaves than this are packed into one vector instead
 
 
 def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -207,16 +208,24 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
     """``(leaf + std * N(0, I)) / expected_batch_size`` in float32, cast back, for every leaf: leaf ``j``'s noise
     :func:`normal_at` of ``fold_in(key, j)`` at each of its flat positions, as ``jax.random.normal`` would draw it.
 
-    Two loops (:func:`_noise_loop`): one over the blocks of ``NOISE_BLOCK`` coordinates of the leaves of more than
-    ``SMALL_LEAF`` elements, one over the blocks of ``SMALL_NOISE_BLOCK`` of the others. Every block lies in one
-    leaf, drawn from that leaf's key and added to it in place, flattened (a float32 leaf is neither padded nor
-    copied). So the program holds two generators whatever the number of leaves (each costs ~0.1 s of XLA:CPU
-    compile time), the step's peak memory stays at the non-DP level (drawing a large leaf in one go made XLA keep
-    extra gradient-sized copies), and every leaf comes out as a buffer of its own, updated by kernels that depend on
-    its shape only: XLA:CPU compiles one kernel for all the leaves of a shape, and likewise for the optimiser's
-    update that reads them. (Until 2026-11-29 the small leaves were concatenated into one vector and read back out
-    at their offsets: a kernel per leaf, which also made each leaf's optimiser kernels distinct -- W3's private
-    training step compiled 273 distinct kernels, 217 since, at about 10 ms of compile time each.)
+    Every leaf is flattened (a float32 leaf is neither padded nor copied) and noised in place, block by block, by a
+    loop (:func:`_noise_loop`) that draws each block's normals and adds them to the block's vector. Two layouts:
+
+    * up to ``MAX_SEPARATE_SMALL`` leaves of at most ``SMALL_LEAF`` elements: two loops, over the blocks of
+      ``NOISE_BLOCK`` coordinates of the larger leaves and of ``SMALL_NOISE_BLOCK`` of the small ones. Every leaf
+      comes out as a buffer of its own, updated by kernels that depend on its shape only: XLA:CPU compiles one
+      kernel for all the leaves of a shape, and likewise for the optimiser's update that reads them (about 10 ms of
+      compile time per distinct kernel; W3's private training step: 273 distinct kernels with the other layout, 217
+      with this one);
+    * more small leaves (the per-layer biases and norm scales of an unrolled model): the leaves of at most
+      ``NOISE_BLOCK`` elements are concatenated into one more vector of a single loop, drawn with each position's
+      leaf key and index looked up, and read back at their offsets (a kernel per leaf, and its optimiser kernels
+      distinct), because every iteration of the small leaves' loop evaluates one conditional per group of them:
+      an unrolled 48-layer decoder of width 64, 584 leaves, spent 0.57x its non-private step in that loop.
+
+    Two generators in the program whatever the number of leaves (each costs ~0.1 s of XLA:CPU compile time); the
+    step's peak memory stays at the non-DP level (drawing a large leaf in one go made XLA keep extra gradient-sized
+    copies).
     """
     sizes = [math.prod(leaf.shape) for leaf in leaves]
     if max(sizes, default=0) >= 2 ** 31:   # positions are uint32 counters, block starts int32 offsets
@@ -225,16 +234,41 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
     out = [(leaf.astype(jnp.float32) / expected_batch_size).astype(leaf.dtype) if n == 0 else None   # empty leaves
            for leaf, n in zip(leaves, sizes)]
     root = _key_words(key)
-    for block, chosen in ((NOISE_BLOCK, [j for j, n in enumerate(sizes) if n > SMALL_LEAF]),
-                          (SMALL_NOISE_BLOCK, [j for j, n in enumerate(sizes) if 0 < n <= SMALL_LEAF])):
-        if chosen:
-            flats = [leaves[j].reshape(-1).astype(jnp.float32) for j in chosen]
-            for j, flat in zip(chosen, _noise_loop(flats, chosen, root, block, std, expected_batch_size)):
-                out[j] = flat.reshape(leaves[j].shape).astype(leaves[j].dtype)
+
+    def flat(j):
+        return leaves[j].reshape(-1).astype(jnp.float32)
+
+    def unflat(j, vector):
+        return vector.reshape(leaves[j].shape).astype(leaves[j].dtype)
+
+    small = [j for j, n in enumerate(sizes) if 0 < n <= SMALL_LEAF]
+    if len(small) <= MAX_SEPARATE_SMALL:
+        for block, chosen in ((NOISE_BLOCK, [j for j, n in enumerate(sizes) if n > SMALL_LEAF]),
+                              (SMALL_NOISE_BLOCK, small)):
+            if chosen:
+                noised = _noise_loop([flat(j) for j in chosen], chosen, root, block, std, expected_batch_size)
+                for j, vector in zip(chosen, noised):
+                    out[j] = unflat(j, vector)
+        return out
+    large = [j for j, n in enumerate(sizes) if n > NOISE_BLOCK]
+    packed = [j for j, n in enumerate(sizes) if 0 < n <= NOISE_BLOCK]
+    total = sum(sizes[j] for j in packed)
+    # NOISE_BLOCK coordinates a block; with the leaves all packed and fewer together, half of them: two iterations,
+    # because XLA inlines a loop of one and then copies the generator into every leaf's slice
+    block = NOISE_BLOCK if large else min(NOISE_BLOCK, -(-total // 2))
+    flats = [flat(j) for j in large] + [jnp.concatenate([flat(j) for j in packed])]
+    noised = _noise_loop(flats, large + [-1], root, block, std, expected_batch_size,
+                         packed=[(j, sizes[j]) for j in packed])
+    for j, vector in zip(large, noised):
+        out[j] = unflat(j, vector)
+    offset = 0
+    for j in packed:
+        out[j] = unflat(j, noised[-1][offset:offset + sizes[j]])
+        offset += sizes[j]
     return out
 
 
-def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: float):
+def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: float, packed=None):
     """The loop of :func:`_noised_in_blocks` over the blocks of ``block`` coordinates of the float32 vectors
     ``flats`` (leaf ``indices[v]`` of the gradient each), vector after vector: an iteration draws its block from
     the key ``fold_in(root, indices[v])`` at the block's positions and adds it to vector ``v`` in place, under
@@ -242,7 +276,8 @@ def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: floa
     ones it passes through, 3x the loop's time for 1M-element vectors) and a group of ``SWITCH_GROUP`` small ones
     otherwise (one ``cond`` per group and a ``switch`` in it: each conditional's predicate is one more kernel to
     compile, and XLA's copy insertion grows like the cube of a conditional's operands -- 100 small leaves under one
-    ``switch`` took 11 s to compile).
+    ``switch`` took 11 s to compile). ``packed``: ``[(leaf index, size), ...]`` of the leaves concatenated in the
+    last vector (its ``indices`` entry unused), whose blocks draw each position from its own leaf's key.
     Returns the noised vectors, in order."""
     n_blocks = [-(-flat.size // block) for flat in flats]
     owner = np.repeat(np.arange(len(flats)), n_blocks)
@@ -254,6 +289,29 @@ def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: floa
                                       np.concatenate([np.arange(n) * block for n in n_blocks]),
                                       owner // group_size, owner % group_size], axis=1).astype(np.int32))
     lax = jax.lax
+    if packed:   # per position of the packed vector (constants): which of its leaves, and where in that leaf
+        padded = n_blocks[-1] * block
+        leaf_of = np.repeat(np.arange(len(packed)), [n for _, n in packed])
+        index_of = np.concatenate([np.arange(n) for _, n in packed])
+        leaf_of = np.concatenate([leaf_of, np.full(padded - leaf_of.size, len(packed) - 1)])
+        index_of = np.concatenate([index_of, np.zeros(padded - index_of.size, np.int64)])
+        leaf_of = jnp.asarray(leaf_of.astype(np.uint16 if len(packed) <= 2 ** 16 else np.uint32))
+        index_of = jnp.asarray(index_of.astype(np.uint16 if block <= 2 ** 16 else np.uint32))
+        packed_keys = fold_in_words(root, jnp.asarray([j for j, _ in packed], jnp.uint32))   # [packed leaves] each
+
+        def packed_normal(start, leaf):
+            del leaf
+            at = (start,)
+            which = lax.convert_element_type(lax.dynamic_slice(leaf_of, at, (block,)), jnp.int32)
+            index = lax.convert_element_type(lax.dynamic_slice(index_of, at, (block,)), jnp.uint32)
+            return normal_at((packed_keys[0][which], packed_keys[1][which]), index)
+
+    def block_normal(start, leaf):
+        # positions from an iota made here, in the loop, which fuses into the generator (an array captured from
+        # outside the loop would be one more block-sized buffer)
+        position = lax.add(lax.convert_element_type(start, jnp.uint32), lax.iota(jnp.uint32, block))
+        return normal_at(fold_in_words(root, lax.convert_element_type(leaf, jnp.uint32)), position)
+
     std = jnp.asarray(std, jnp.float32)
     divisor = np.float32(expected_batch_size)
 
@@ -294,10 +352,11 @@ def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: floa
     def noise_block(step, flats):
         row = lax.dynamic_index_in_dim(per_block, step, 0, keepdims=False)
         leaf, start, group_of_block, member = (lax.index_in_dim(row, i, 0, keepdims=False) for i in range(4))
-        # positions from an iota made here, in the loop, which fuses into the generator (an array captured from
-        # outside the loop would be one more block-sized buffer)
-        position = lax.add(lax.convert_element_type(start, jnp.uint32), lax.iota(jnp.uint32, block))
-        normal = normal_at(fold_in_words(root, lax.convert_element_type(leaf, jnp.uint32)), position)
+        if packed:
+            normal = lax.cond(lax.eq(group_of_block, np.int32(len(groups) - 1)), packed_normal, block_normal,
+                              start, leaf)
+        else:
+            normal = block_normal(start, leaf)
         out = []
         for g, (members, update) in enumerate(zip(groups, updates)):
             group = tuple(flats[v] for v in members)

@@ -14,7 +14,7 @@ import reference as ref
 from helpers import B, Setup, build, mlp_batch, private_fn
 
 import dpzero_jax as dz
-from dpzero_jax.noise import NOISE_BLOCK, SMALL_LEAF, SMALL_NOISE_BLOCK, SWITCH_GROUP
+from dpzero_jax.noise import MAX_SEPARATE_SMALL, NOISE_BLOCK, SMALL_LEAF, SMALL_NOISE_BLOCK, SWITCH_GROUP
 
 
 @functools.cache
@@ -160,6 +160,8 @@ def test_threefry_is_jax_threefry_and_normal_at_is_jax_random_normal():
     [(NOISE_BLOCK,), (2 * NOISE_BLOCK,)],                        # whole blocks only
     [(SMALL_LEAF,), (SMALL_LEAF + 1,), (SMALL_NOISE_BLOCK + 1,), (3,)],   # either side of the small leaves' bound
     [(2 * SMALL_NOISE_BLOCK + 7,)] + [(5 + j,) for j in range(2 * SWITCH_GROUP + 1)],   # three groups of small leaves
+    [(NOISE_BLOCK + 5,), (SMALL_LEAF + 1,)] + [(7 + j,) for j in range(MAX_SEPARATE_SMALL + 1)],   # packed, and large
+    [(20 + j,) for j in range(MAX_SEPARATE_SMALL + 2)],          # packed only, fewer than a block together
 ])
 def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
     """Whatever the mix of leaf sizes, the blocked loop draws leaf ``j``'s noise as ``jax.random.normal(fold_in(key,
@@ -178,7 +180,8 @@ def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
 
 
 def test_blocked_noise_needs_no_gradient_sized_or_per_position_buffers():
-    """The loops noise every leaf in place: their compiled temporaries are at most a block of each loop (the key
+    """The loops noise every leaf in place: their compiled temporaries are at most a block of each loop, and the
+    packed vector when the small leaves are many (the key
     words and positions stay inside the generator's fusion; an iota captured from outside the loop, or per-position
     key tables built before it, once added up to three block-sized buffers), not a copy of a leaf."""
     from dpzero_jax import noise
@@ -187,6 +190,11 @@ def test_blocked_noise_needs_no_gradient_sized_or_per_position_buffers():
     compiled = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 2.0, "blocked")).lower(
         leaves, jax.random.key(0)).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * NOISE_BLOCK + 4 * SMALL_NOISE_BLOCK + 16384
+    # with more small leaves than MAX_SEPARATE_SMALL: one packed vector of them besides the block
+    small = [jnp.zeros((100 + j,), jnp.float32) for j in range(MAX_SEPARATE_SMALL + 4)]
+    compiled = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 2.0, "blocked")).lower(
+        leaves[:2] + small, jax.random.key(0)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 4 * sum(x.size for x in small) + 4 * NOISE_BLOCK + 16384
 
 
 def _distinct_fusions(hlo_text: str) -> int:
