@@ -221,7 +221,7 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
       ``NOISE_BLOCK`` elements are concatenated into one more vector of a single loop, drawn with each position's
       leaf key and index looked up, and read back at their offsets (a kernel per leaf, and its optimiser kernels
       distinct), because every iteration of the small leaves' loop evaluates one conditional per group of them:
-      an unrolled 48-layer decoder of width 64, 584 leaves, spent 0.57x its non-private step in that loop.
+      an unrolled 48-layer decoder of width 64, 772 leaves, spent 0.57x its non-private step in that loop.
 
     Two generators in the program whatever the number of leaves (each costs ~0.1 s of XLA:CPU compile time); the
     step's peak memory stays at the non-DP level (drawing a large leaf in one go made XLA keep extra gradient-sized
