@@ -181,9 +181,9 @@ def test_blocked_noise_is_jax_random_normal_of_each_leaf(shapes):
 
 def test_blocked_noise_needs_no_gradient_sized_or_per_position_buffers():
     """The loops noise every leaf in place: their compiled temporaries are at most a block of each loop, and the
-    packed vector when the small leaves are many (the key
-    words and positions stay inside the generator's fusion; an iota captured from outside the loop, or per-position
-    key tables built before it, once added up to three block-sized buffers), not a copy of a leaf."""
+    packed vector when the small leaves are many (the key words and positions stay inside the generator's fusion; an
+    iota captured from outside the loop, or per-position key tables built before it, once added up to three
+    block-sized buffers), not a copy of a leaf."""
     from dpzero_jax import noise
     leaves = [jnp.zeros((3 * NOISE_BLOCK + 5,), jnp.float32), jnp.zeros((4 * NOISE_BLOCK,), jnp.float32)] + \
         [jnp.zeros((100 + j,), jnp.float32) for j in range(20)]
@@ -216,19 +216,21 @@ def _distinct_fusions(hlo_text: str) -> int:
 
 
 def test_blocked_noise_compiles_leaves_of_one_shape_once():
-    """Each leaf is updated by kernels that depend on its shape, not on where it sits among the leaves, so the
-    compiled program does not grow a kernel per leaf: 48 leaves of a few shapes (like the biases and norm scales
-    of a model's layers) compile to not many more distinct fusions than 8 do -- the conditionals' predicates, one
-    per group of ``SWITCH_GROUP`` small leaves or per large leaf. (When the small leaves were one concatenated
-    vector read back at their offsets, every leaf added a kernel, and so did each of its optimiser's updates.)"""
+    """Up to ``MAX_SEPARATE_SMALL`` small leaves, each is updated by kernels that depend on its shape, not on where
+    it sits among the leaves, so the compiled program does not grow a kernel per leaf: 48 leaves of a few shapes
+    (like the biases and norm scales of a model's layers) compile to not many more distinct fusions than 8 do -- the
+    conditionals' predicates, one per group of ``SWITCH_GROUP`` small leaves. (Packed into one vector and read back
+    at their offsets, as more small leaves are, every leaf adds a kernel, and so does each of its optimiser's
+    updates.)"""
     from dpzero_jax import noise
     counts = []
-    for n in (8, 48):
+    for n in (SWITCH_GROUP, MAX_SEPARATE_SMALL):
         leaves = [jnp.zeros((64 * (1 + j % 3),), jnp.float32) for j in range(n)]
         text = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 2.0, "blocked")).lower(
             leaves, jax.random.key(0)).compile().as_text()
         counts.append(_distinct_fusions(text))
-    assert counts[1] - counts[0] <= 48 // SWITCH_GROUP + 2, counts   # + the group index and its first predicate
+    # + the group index and the first group's predicate (one group needs neither)
+    assert counts[1] - counts[0] <= MAX_SEPARATE_SMALL // SWITCH_GROUP + 2, counts
 
 
 def test_blocked_noise_keeps_dtypes_and_takes_any_key():
