@@ -243,10 +243,11 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
 
     small = [j for j, n in enumerate(sizes) if 0 < n <= SMALL_LEAF]
     if len(small) <= MAX_SEPARATE_SMALL:
-        for block, chosen in ((NOISE_BLOCK, [j for j, n in enumerate(sizes) if n > SMALL_LEAF]),
-                              (SMALL_NOISE_BLOCK, small)):
+        for block, group_size, chosen in ((NOISE_BLOCK, 1, [j for j, n in enumerate(sizes) if n > SMALL_LEAF]),
+                                          (SMALL_NOISE_BLOCK, SWITCH_GROUP, small)):
             if chosen:
-                noised = _noise_loop([flat(j) for j in chosen], chosen, root, block, std, expected_batch_size)
+                noised = _noise_loop([flat(j) for j in chosen], chosen, root, block, group_size, std,
+                                     expected_batch_size)
                 for j, vector in zip(chosen, noised):
                     out[j] = unflat(j, vector)
         return out
@@ -257,7 +258,7 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
     # because XLA inlines a loop of one and then copies the generator into every leaf's slice
     block = NOISE_BLOCK if large else min(NOISE_BLOCK, -(-total // 2))
     flats = [flat(j) for j in large] + [jnp.concatenate([flat(j) for j in packed])]
-    noised = _noise_loop(flats, large + [-1], root, block, std, expected_batch_size,
+    noised = _noise_loop(flats, large + [-1], root, block, 1, std, expected_batch_size,
                          packed=[(j, sizes[j]) for j in packed])
     for j, vector in zip(large, noised):
         out[j] = unflat(j, vector)
@@ -268,20 +269,19 @@ def _noised_in_blocks(leaves, key: jax.Array, std, expected_batch_size: float) -
     return out
 
 
-def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: float, packed=None):
+def _noise_loop(flats, indices, root, block: int, group_size: int, std, expected_batch_size: float, packed=None):
     """The loop of :func:`_noised_in_blocks` over the blocks of ``block`` coordinates of the float32 vectors
     ``flats`` (leaf ``indices[v]`` of the gradient each), vector after vector: an iteration draws its block from
     the key ``fold_in(root, indices[v])`` at the block's positions and adds it to vector ``v`` in place, under
-    conditionals that pass ``v`` alone when it is large (a conditional passing several vectors makes XLA copy the
-    ones it passes through, 3x the loop's time for 1M-element vectors) and a group of ``SWITCH_GROUP`` small ones
-    otherwise (one ``cond`` per group and a ``switch`` in it: each conditional's predicate is one more kernel to
+    conditionals over groups of ``group_size`` vectors: 1 for large ones (a conditional passing several vectors
+    makes XLA copy the ones it passes through, 3x the loop's time for 1M-element vectors), ``SWITCH_GROUP`` for
+    small ones (one ``cond`` per group and a ``switch`` in it: each conditional's predicate is one more kernel to
     compile, and XLA's copy insertion grows like the cube of a conditional's operands -- 100 small leaves under one
     ``switch`` took 11 s to compile). ``packed``: ``[(leaf index, size), ...]`` of the leaves concatenated in the
     last vector (its ``indices`` entry unused), whose blocks draw each position from its own leaf's key.
     Returns the noised vectors, in order."""
     n_blocks = [-(-flat.size // block) for flat in flats]
     owner = np.repeat(np.arange(len(flats)), n_blocks)
-    group_size = 1 if block == NOISE_BLOCK else SWITCH_GROUP
     groups = [list(range(lo, min(lo + group_size, len(flats)))) for lo in range(0, len(flats), group_size)]
     # per block (int32 constants, read in the loop): its leaf's index (its key), its first position in the leaf, its
     # vector's group and place in the group
@@ -352,7 +352,9 @@ def _noise_loop(flats, indices, root, block: int, std, expected_batch_size: floa
     def noise_block(step, flats):
         row = lax.dynamic_index_in_dim(per_block, step, 0, keepdims=False)
         leaf, start, group_of_block, member = (lax.index_in_dim(row, i, 0, keepdims=False) for i in range(4))
-        if packed:
+        if packed and len(flats) == 1:   # every block is the packed vector's: one generator, no cond
+            normal = packed_normal(start, leaf)
+        elif packed:
             normal = lax.cond(lax.eq(group_of_block, np.int32(len(groups) - 1)), packed_normal, block_normal,
                               start, leaf)
         else:

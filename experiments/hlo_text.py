@@ -1,6 +1,6 @@
 """Reading the optimised HLO text of a compiled program (``compiled.as_text()``): its collectives with their bytes,
-how often each runs in one step, the FLOPs of its matrix products per step (:func:`matmul_flops`), and its large
-buffers.
+how often each runs in one step, the FLOPs of its matrix products per step (:func:`matmul_flops`), its large
+buffers, and how many distinct kernels XLA:CPU compiles for it (:func:`distinct_fusions`).
 
 Shared by the compiled-program benchmarks (``bench_compiled.py``, ``tpu_aot.py``); plain text parsing, no JAX.
 
@@ -55,6 +55,15 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
         elif current is not None and line.strip():
             found[current].append(line)
     return found, entry
+
+
+def distinct_fusions(hlo_text: str) -> int:
+    """How many of the computations that the program's fusions call differ other than by their names and metadata:
+    the kernels XLA:CPU compiles (it compiles identical ones once, each distinct one at about 10 ms)."""
+    comps, _ = computations(hlo_text)
+    called = {m.group(2) for line in hlo_text.splitlines() if " fusion(" in line and (m := _CALL.match(line))}
+    return len({"\n".join(re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line)).strip()
+                          for line in comps[name]) for name in called})
 
 
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")

@@ -4,7 +4,8 @@ the caller's key, reproducible, and independent across leaves."""
 from __future__ import annotations
 
 import functools
-import re
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,12 @@ from helpers import B, Setup, build, mlp_batch, private_fn
 
 import dpzero_jax as dz
 from dpzero_jax.noise import MAX_SEPARATE_SMALL, NOISE_BLOCK, SMALL_LEAF, SMALL_NOISE_BLOCK, SWITCH_GROUP
+
+# the benchmarks' reader of compiled programs (experiments/hlo_text.py: plain text parsing)
+_HLO_SPEC = importlib.util.spec_from_file_location(
+    "hlo_text", pathlib.Path(__file__).parents[1] / "experiments" / "hlo_text.py")
+hlo_text = importlib.util.module_from_spec(_HLO_SPEC)
+_HLO_SPEC.loader.exec_module(hlo_text)
 
 
 @functools.cache
@@ -197,24 +204,6 @@ def test_blocked_noise_needs_no_gradient_sized_or_per_position_buffers():
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * sum(x.size for x in small) + 4 * NOISE_BLOCK + 16384
 
 
-def _distinct_fusions(hlo_text: str) -> int:
-    """Computations called by the fusions of a compiled XLA program that differ other than by their names (what
-    XLA:CPU compiles into kernels of their own: it compiles identical ones once)."""
-    bodies, current = {}, None
-    for line in hlo_text.splitlines():
-        if line.startswith("%") and line.rstrip().endswith("{"):
-            current = line.split()[0]
-            bodies[current] = []
-        elif line.startswith("}"):
-            current = None
-        elif current:
-            line = re.sub(r", metadata=\{[^}]*\}", "", line)
-            bodies[current].append(re.sub(r"%[\w.\-]+", "%", line).strip())
-    called = {match.group(1) for line in hlo_text.splitlines() if " fusion(" in line
-              for match in [re.search(r"calls=(%[\w.\-]+)", line)] if match}
-    return len({"\n".join(bodies[name]) for name in called})
-
-
 def test_blocked_noise_compiles_leaves_of_one_shape_once():
     """Up to ``MAX_SEPARATE_SMALL`` small leaves, each is updated by kernels that depend on its shape, not on where
     it sits among the leaves, so the compiled program does not grow a kernel per leaf: 48 leaves of a few shapes
@@ -228,7 +217,7 @@ def test_blocked_noise_compiles_leaves_of_one_shape_once():
         leaves = [jnp.zeros((64 * (1 + j % 3),), jnp.float32) for j in range(n)]
         text = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 1.0, 2.0, "blocked")).lower(
             leaves, jax.random.key(0)).compile().as_text()
-        counts.append(_distinct_fusions(text))
+        counts.append(hlo_text.distinct_fusions(text))
     # + the group index and the first group's predicate (one group needs neither)
     assert counts[1] - counts[0] <= MAX_SEPARATE_SMALL // SWITCH_GROUP + 2, counts
 
