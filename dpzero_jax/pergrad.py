@@ -106,10 +106,13 @@ def kept(value: Array) -> Array:
     return value if value.dtype == jnp.float32 else jax.lax.optimization_barrier(value)
 
 
-def direct_sq_norm(value: Array) -> Array:
+def direct_sq_norm(value: Array, example_axis: int = 0) -> Array:
     """``[B]`` squared norms, accumulated in float32, of per-example gradients ``value [B, ...]`` (any float
-    dtype: a gradient kept in bfloat16 is normed as kept)."""
-    return jnp.sum(jnp.square(_f32(value)).reshape(value.shape[0], -1), axis=1)
+    dtype: a gradient kept in bfloat16 is normed as kept). ``example_axis``: where the examples are (``1`` for
+    blocks first, ``[K, B, ...]``)."""
+    if example_axis == 0:
+        return jnp.sum(jnp.square(_f32(value)).reshape(value.shape[0], -1), axis=1)
+    return jnp.sum(jnp.square(_f32(value)), axis=tuple(a for a in range(value.ndim) if a != example_axis))
 
 
 def param_shape(use: PerExampleGrad) -> tuple[int, ...]:
@@ -144,10 +147,11 @@ def instantiate_sum(uses: Sequence[PerExampleGrad], dtype=jnp.float32) -> Array:
     return sum(instantiate(u, dtype, matrix) for u in uses)
 
 
-def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32,
-                         shape: tuple[int, ...] | None = None) -> tuple[Array, Array]:
+def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32, shape: tuple[int, ...] | None = None,
+                         example_axis: int = 0) -> tuple[Array, Array]:
     """``(G, sq)``: the instantiated ``G = sum_u G_u`` as kept for the clipped sum (see :func:`instantiate_sum`) and
-    its ``[B]`` squared norms, taken of what is kept. In float32, ``G`` as computed. In a narrower ``dtype``, for
+    its ``[B]`` squared norms (examples on ``example_axis`` of ``shape``), taken of what is kept. In float32, ``G``
+    as computed. In a narrower ``dtype``, for
     dense uses: the float32 sum rounded once with ``lax.reduce_precision`` to ``dtype``'s precision, normed, and kept
     in ``dtype`` (an exact cast: the values are representable), so the norm can be computed in the fusion that
     writes ``G`` and still be the norm of what the clipped sum reads, whatever conversions the compiler merges. An
@@ -160,10 +164,10 @@ def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32,
         total = total.reshape(shape)
     if not rounds:
         value = kept(total)
-        return value, direct_sq_norm(value)
+        return value, direct_sq_norm(value, example_axis)
     info = jnp.finfo(dtype)
     rounded = jax.lax.reduce_precision(total, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    return kept(rounded.astype(dtype)), direct_sq_norm(rounded)
+    return kept(rounded.astype(dtype)), direct_sq_norm(rounded, example_axis)
 
 
 def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> bool:
@@ -298,6 +302,17 @@ def _coef_weighted_rows(value: Array, coef: Array) -> Array:
     if math.prod(value.shape[1:]) <= SMALL_DIRECT:
         return jnp.sum(value * _per_example(coef, value.ndim), axis=0)
     return jnp.einsum("b...,b->...", value, coef)
+
+
+def weighted_blocks(value: Array, coef: Array) -> Array:
+    """``[K, ...]``: ``sum_i coef_i value[k, i]`` for per-example gradients kept blocks first, ``value [K, B,
+    ...]`` (a scanned layer's, in the layout the scan leaves them), float32; examples with ``coef == 0`` contribute
+    exactly zero. One batched contraction over the examples, ``K`` its batch: no transpose of ``value``."""
+    active = coef != 0
+    k, batch = value.shape[:2]
+    rows = jnp.where(active[None, :, None], _f32(value).reshape(k, batch, -1), 0.0)
+    weights = jnp.broadcast_to(coef.astype(jnp.float32)[None, :], (k, batch))
+    return jnp.einsum("kb,kbn->kn", weights, rows).reshape((k,) + value.shape[2:])
 
 
 def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla") -> Array:

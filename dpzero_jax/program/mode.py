@@ -159,8 +159,9 @@ def zero_probe(site):
 
 def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
     """The probed forward and one VJP, per example: ``(losses [B], records, probe cotangents, fallback grads)``;
-    a site's records and probe cotangent ``[B, *scan lengths, ...]``. With a ZeRO-3 ``layout`` the leaves are
-    this device's shards, gathered at their uses (:mod:`dpzero_jax.program.zero3`); fallback leaves whole."""
+    a site's records and probe cotangent ``[*scan lengths, B, ...]`` (:func:`example_axes`). With a ZeRO-3
+    ``layout`` the leaves are this device's shards, gathered at their uses (:mod:`dpzero_jax.program.zero3`);
+    fallback leaves whole."""
     analysis = plan.analysis
     fallback = sorted(analysis.fallback)
     held = zero3.held(plan.paths, leaves, layout)
@@ -184,24 +185,29 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
 
     # A site's outputs (records, probe cotangent) leave the vmap with the examples after the enclosing scans' axes,
     # the layout the scans produce them in (examples first would make XLA transpose every record: ~15% of a deep
-    # scanned step's time); the example axis is then moved to the front, where the consumers absorb the move.
-    depth = {path: len(site.lengths) for path, site in analysis.sites.items()}
+    # scanned step's time); :func:`_leaf_terms` reads them in that layout (sites.factored makes blocks-first factors,
+    # sites.local_grad maps over the examples where they are).
+    depth = example_axes(plan)
     out_axes = (0, {path: [depth[path]] * len(site.recorded) for path, site in analysis.sites.items()}, depth, 0)
     # spmd_axis_name: under a GSPMD step the example axis is split over the batch axes (dpzero_jax.spmd)
-    losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
-                                                      spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
-        held, fallback_whole, list(batch_leaves))
-
-    def examples_first(tree):
-        return {path: jax.tree.map(lambda x, axis=depth[path]: jnp.moveaxis(x, axis, 0), value)
-                for path, value in tree.items()}
-    return losses, examples_first(records), examples_first(probe_ct), fallback_ct
+    return jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
+                    spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(held, fallback_whole, list(batch_leaves))
 
 
-def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None, method: str = "mixed"):
+def example_axes(plan: ProgramPlan) -> dict:
+    """``{site path: axis of the examples}`` in :func:`_pass`'s records and probe cotangents (after the enclosing
+    scans' iteration axes)."""
+    return {path: len(site.lengths) for path, site in plan.analysis.sites.items()}
+
+
+def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None, method: str = "mixed",
+                example_axis: dict | None = None):
     """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}`` for the fallback leaves and the leaves
     whose sites were captured (all, or those in ``captured``). Conv sites are factored only where
-    :func:`~dpzero_jax.program.sites.conv_factored` says so for ``method``; else instantiated like local sites."""
+    :func:`~dpzero_jax.program.sites.conv_factored` says so for ``method``; else instantiated like local sites.
+    ``example_axis``: ``{site path: axis}`` where a site's records and probe cotangent hold the examples (default:
+    first)."""
+    example_axis = example_axis or {}
     fallback = sorted(plan.analysis.fallback)
     terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32)) for i, g in zip(fallback, fallback_ct)}
     by_leaf: dict[int, list] = {}
@@ -210,7 +216,7 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
             by_leaf.setdefault(site.view.leaf, []).append(site)
     for leaf, leaf_sites in by_leaf.items():
         direct = {"local"} if sites_lib.conv_factored(leaf_sites, method) else {"local", "conv"}
-        factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path]))
+        factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path], example_axis.get(s.path, 0)))
                     for s in leaf_sites if s.kind not in direct]
         if len(factored) == len(leaf_sites) and _same_blocks(factored):
             terms[leaf] = ("outer", factored)
@@ -220,7 +226,8 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
             total = total + sites_lib.instantiate(s, f, leaves[leaf])
         for s in leaf_sites:
             if s.kind in direct:
-                total = total + sites_lib.local_grad(s, records[s.path], probe_ct[s.path], leaves[leaf])
+                total = total + sites_lib.local_grad(s, records[s.path], probe_ct[s.path], leaves[leaf],
+                                                     example_axis.get(s.path, 0))
         terms[leaf] = ("direct", total)
     return terms
 
@@ -231,13 +238,17 @@ def _same_blocks(factored) -> bool:
     return len(keys) == 1
 
 
-def _outer_uses(factored, k: int | None = None):
-    """pergrad ``Outer`` uses with examples and blocks merged into the leading axis (or block ``k`` only)."""
+def _outer_uses(factored, k: int | None = None, examples_major: bool = False):
+    """pergrad ``Outer`` uses with blocks and examples merged into the leading axis, blocks major unless
+    ``examples_major`` (or block ``k`` only)."""
     uses = []
     for _, f in factored:
         left, right = f.left, f.right
         if k is not None:
-            left, right = left[:, k], right[:, k]
+            left, right = left[k], right[k]
+        elif examples_major:
+            left = jnp.swapaxes(left, 0, 1).reshape((-1,) + left.shape[2:])
+            right = jnp.swapaxes(right, 0, 1).reshape((-1,) + right.shape[2:])
         else:
             left = left.reshape((-1,) + left.shape[2:])
             right = right.reshape((-1,) + right.shape[2:])
@@ -249,18 +260,28 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
     """``(sq [B], clipped(coef) -> [K, rows, cols])`` for one leaf with factored uses; an instantiated gradient is
     kept (and normed) in ``dtype`` (``DPConfig.instantiated_dtype``). ``reuse=False``: the clipped sum is formed
     elsewhere (ghost mode's weighted leaves); the norm is then taken in float32 and nothing is kept for a sum."""
-    k = factored[0][1].left.shape[1]
-    uses = _outer_uses(factored)
+    k = factored[0][1].left.shape[0]
+    # Blocks major, as sites.factored leaves them: an instantiated gradient is kept [K, B, rows, cols], its clipped
+    # sum one contraction over the examples with the blocks as its batch (merged examples first, XLA:CPU transposed
+    # every operand and then [B, K x p] for the sum: ~0.1x of a 48-layer scanned step). Examples major where the
+    # examples are split over devices (GSPMD): a merged axis keeps that split only as its major factor.
+    examples_major = k > 1 and spmd.batch_axes(batch) is not None
+    uses = _outer_uses(factored, examples_major=examples_major)
     if k > 1:
         kernel = "xla"
     ghost = pergrad.use_ghost(uses, method, kernel, reuse)
+    shape = (batch, k) if examples_major else (k, batch)
     if not ghost and kernel == "xla" and reuse:
-        dense, sq = pergrad.kept_sum_and_sq_norm(uses, dtype, (batch, k, uses[0].rows, uses[0].cols))
+        dense, sq = pergrad.kept_sum_and_sq_norm(uses, dtype, shape + (uses[0].rows, uses[0].cols),
+                                                 0 if examples_major else 1)
 
         def clipped(coef):
-            return pergrad.weighted_sum([pergrad.Direct(dense)], coef)
+            if examples_major:
+                return pergrad.weighted_sum([pergrad.Direct(dense)], coef)
+            return pergrad.weighted_blocks(dense, coef)
         return sq, clipped
-    sq = pergrad.sq_norm(uses, "ghost" if ghost else "instantiate", kernel).reshape(batch, k).sum(axis=1)
+    sq = pergrad.sq_norm(uses, "ghost" if ghost else "instantiate", kernel).reshape(shape)
+    sq = sq.sum(axis=1 if examples_major else 0)
 
     def clipped(coef):
         if k == 1:
@@ -276,14 +297,14 @@ def _blocked_weighted_sum(factored, coef):
     scale = coef.astype(jnp.float32)
     total = 0.0
     for _, f in factored:
-        right = jnp.where(active[:, None, None, None], f.right.astype(jnp.float32), 0.0) * scale[:, None, None, None]
-        k = f.right.shape[1]
+        right = jnp.where(active[None, :, None, None], f.right.astype(jnp.float32), 0.0) * scale[None, :, None, None]
+        k = f.right.shape[0]
         if f.left_is_ids:
-            blocks = jnp.broadcast_to(jnp.arange(k)[None, :, None], f.left.shape)
+            blocks = jnp.broadcast_to(jnp.arange(k)[:, None, None], f.left.shape)
             part = jnp.zeros((k, f.rows, f.right.shape[-1]), jnp.float32).at[blocks, f.left].add(right)
         else:
-            left = jnp.where(active[:, None, None, None], f.left, jnp.zeros((), f.left.dtype))
-            part = jnp.einsum("bktr,bktc->krc", left, right.astype(left.dtype), preferred_element_type=jnp.float32)
+            left = jnp.where(active[None, :, None, None], f.left, jnp.zeros((), f.left.dtype))
+            part = jnp.einsum("kbtr,kbtc->krc", left, right.astype(left.dtype), preferred_element_type=jnp.float32)
         total = total + part
     return total
 
@@ -333,7 +354,8 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask, layout=None):
     size = batch_leaves[0].shape[0]
     losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves, layout)
     whole = whole_leaves(plan, leaves, layout, probe_ct)
-    terms = _leaf_terms(plan, whole, records, probe_ct, fallback_ct, method=cfg.norm_method)
+    terms = _leaf_terms(plan, whole, records, probe_ct, fallback_ct, method=cfg.norm_method,
+                        example_axis=example_axes(plan))
     sq, summers = norms_and_summers(cfg, plan, whole, terms, size)
     norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
     sums = {i: clipped_sum(summers[i], coef[:, plan.group_of[plan.paths[i]]], whole[i]) for i in summers}
@@ -444,7 +466,7 @@ def _abstract_uses(leaf_sites):
             static.update(rows=f.rows, ids=f.left_is_ids, structure=f.structure[1:])
             return f.left, f.right
         left, right = jax.eval_shape(shapes, operands, jax.ShapeDtypeStruct(lead + tuple(out.shape), jnp.float32))
-        factors.append((left.shape[1:], right.shape[1:], static))
+        factors.append(((left.shape[0],) + left.shape[2:], (right.shape[0],) + right.shape[2:], static))
     if len({f[2]["structure"] + (f[0][0],) for f in factors}) > 1:      # as _same_blocks: no shared cross terms
         return None
     uses = [pergrad.Outer(jax.ShapeDtypeStruct(left, jnp.float32), jax.ShapeDtypeStruct(right, jnp.float32),

@@ -1,11 +1,12 @@
 """Per-example gradients of one site from its recorded operands and its output gradient.
 
-Arrays arriving here carry leading axes ``[B, *lengths]`` (the example, then the enclosing scans' iterations).
+Arrays arriving here carry leading axes ``[B, *lengths]`` (the example, then the enclosing scans' iterations), or
+the example after the iterations (``example_axis``: book-keeping's pass leaves them so).
 For a leaf sliced by a scan (level ``"xs"``) each iteration's gradient belongs to its own slice -- a *block*; for a
 leaf passed whole (level ``"const"``) the iterations' gradients add up -- more *positions*.
 
-* ``dot``, ``conv`` and ``gather`` sites give :class:`Factored`: ``left [B, K, T, rows]`` (or int ids ``[B, K, T]``)
-  and ``right [B, K, T, cols]`` with ``K`` blocks (scan slices x the dot's batch dimensions or the conv's feature
+* ``dot``, ``conv`` and ``gather`` sites give :class:`Factored`: ``left [K, B, T, rows]`` (or int ids ``[K, B, T]``)
+  and ``right [K, B, T, cols]`` with ``K`` blocks (scan slices x the dot's batch dimensions or the conv's feature
   groups), the weight viewed in a canonical layout ``[*batch, *contracting, *free]`` (a transpose of the view; a
   conv's ``[G, Cin_g, *window, Cout_g]``, see :mod:`dpzero_jax.program.conv`; norms unchanged);
 * ``local`` sites give the per-example gradient of the whole leaf, ``[B, *leaf.shape]``.
@@ -30,8 +31,8 @@ from dpzero_jax.program.interpret import bind
 
 @dataclasses.dataclass(frozen=True)
 class Factored:
-    left: jax.Array       # [B, K, T, rows] floats, or [B, K, T] ids
-    right: jax.Array      # [B, K, T, cols]
+    left: jax.Array       # [K, B, T, rows] floats, or [K, B, T] ids: blocks first (see factored)
+    right: jax.Array      # [K, B, T, cols]
     rows: int
     left_is_ids: bool
     canonical_shape: tuple  # the view in canonical layout (per scan slice): [*dot batch, *contracting, *free]
@@ -41,7 +42,7 @@ class Factored:
 
     @property
     def structure(self):
-        return (self.left.shape[1], self.rows, self.right.shape[-1], self.layout)
+        return (self.left.shape[0], self.rows, self.right.shape[-1], self.layout)
 
 
 def _leaf_axes(site: Site):
@@ -165,8 +166,12 @@ def _dot_factors(site: Site, data, g):
     return left, right, tuple(w_shape[i] for i in perm), perm
 
 
-def factored(site: Site, operands, g) -> Factored:
-    """A dot, conv or gather site's factors with ``[B, K, T, ...]`` layout."""
+def factored(site: Site, operands, g, example_axis: int = 0) -> Factored:
+    """A dot, conv or gather site's factors with ``[K, B, T, ...]`` layout, blocks first. ``operands`` and ``g``
+    have the examples and the enclosing scans' iterations in front, the examples on ``example_axis`` of those.
+    Blocks first because book-keeping's pass leaves a scan's operands ``[*lengths, B, ...]`` in memory: its uses
+    then merge blocks and examples into one batch axis with no copy (examples first made XLA transpose every
+    operand of a deep scanned model: ~5% of its step)."""
     lead = 1 + len(site.lengths)
     if site.kind == "dot":
         def one(data, g_):
@@ -178,7 +183,7 @@ def factored(site: Site, operands, g) -> Factored:
         ids = False
     elif site.kind == "conv":
         left, right = _vmap_n(lambda lhs, g_: conv.factors(site.eqn, lhs, g_), lead, 0)(operands[0], g)
-        left, right = _blocks(site, left, right, False)
+        left, right = _blocks(site, left, right, False, example_axis)
         view_axes = _leaf_axes(site)
         # Two uses of one kernel share cross terms when their canonical layouts name the same leaf axes.
         layout = (("conv", tuple(view_axes), tuple(site.eqn.params["dimension_numbers"][1]),
@@ -191,7 +196,7 @@ def factored(site: Site, operands, g) -> Factored:
         right = g.reshape(g.shape[:lead] + (1, left.shape[-1], cols))
         canonical, perm, ids = table, tuple(range(len(table))), True
     rows = left.shape[-1] if not ids else site.eqn.invars[0].aval.shape[0]
-    left, right = _blocks(site, left, right, ids)
+    left, right = _blocks(site, left, right, ids, example_axis)
     view_axes = _leaf_axes(site)
     layout: tuple = ("view", site.path)
     swapped = False
@@ -244,22 +249,23 @@ def _n_row_axes(site: Site) -> int:
     return len(lb) + len(lc)
 
 
-def _blocks(site: Site, left, right, ids: bool):
-    """``[B, *lengths, Kd, T, ...]`` -> ``[B, K, T', ...]``: xs levels (and the dot's batch) are blocks, const
-    levels are positions."""
+def _blocks(site: Site, left, right, ids: bool, example_axis: int = 0):
+    """``[B, *lengths, Kd, T, ...]`` (the example on ``example_axis`` of the leading ``1 + len(lengths)`` axes) ->
+    ``[K, B, T', ...]``: xs levels (and the dot's batch) are blocks, const levels are positions. One transpose."""
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
     n = len(levels)
-    xs_axes = [1 + i for i, lv in enumerate(levels) if lv == "xs"]
-    const_axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
+    iteration_axes = [a for a in range(n + 1) if a != example_axis]
+    xs_axes = [iteration_axes[i] for i, lv in enumerate(levels) if lv == "xs"]
+    const_axes = [iteration_axes[i] for i, lv in enumerate(levels) if lv == "const"]
     tail_l = 2 if not ids else 1
-    order_l = [0] + xs_axes + [1 + n] + const_axes + list(range(2 + n, left.ndim))
-    order_r = [0] + xs_axes + [1 + n] + const_axes + list(range(2 + n, right.ndim))
+    order_l = xs_axes + [1 + n, example_axis] + const_axes + list(range(2 + n, left.ndim))
+    order_r = xs_axes + [1 + n, example_axis] + const_axes + list(range(2 + n, right.ndim))
     left = jnp.transpose(left, order_l)
     right = jnp.transpose(right, order_r)
-    batch = left.shape[0]
-    k = math.prod(left.shape[1:2 + len(xs_axes)])
-    left = left.reshape((batch, k, -1) + left.shape[left.ndim - tail_l + 1:]) if not ids else left.reshape(batch, k, -1)
-    right = right.reshape(batch, k, -1, right.shape[-1])
+    k = math.prod(left.shape[:1 + len(xs_axes)])
+    batch = left.shape[1 + len(xs_axes)]
+    left = left.reshape((k, batch, -1) + left.shape[left.ndim - tail_l + 1:]) if not ids else left.reshape(k, batch, -1)
+    right = right.reshape(k, batch, -1, right.shape[-1])
     return left, right
 
 
@@ -350,8 +356,9 @@ def apply_site(site: Site, w, ops):
     return bind(site.eqn, values)[0]
 
 
-def local_grad(site: Site, operands, g, leaf):
-    """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site."""
+def local_grad(site: Site, operands, g, leaf, example_axis: int = 0):
+    """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site; ``operands`` and ``g`` hold
+    the examples on ``example_axis`` of their leading ``[B, *lengths]`` axes (as :func:`factored`)."""
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
 
     def one(ops, g_, leaf_slice):
@@ -368,11 +375,17 @@ def local_grad(site: Site, operands, g, leaf):
         _, pullback = jax.vjp(through, leaf_slice)
         return pullback(g_)[0].astype(jnp.float32)
 
-    fn = one
+    if example_axis not in (0, len(levels)):
+        raise ValueError(f"example_axis {example_axis}: the examples are first or after the {len(levels)} iterations")
+    # The examples mapped where they are: mapped outermost over [L, B, ...], the contraction's batching would put
+    # them first and XLA transpose the activation-sized operands; the gradient [L, B, *slice] moves instead.
+    fn = one if not example_axis else jax.vmap(one, in_axes=(0, 0, None))
     for level in reversed(levels):
         fn = jax.vmap(fn, in_axes=(0, 0, 0 if level == "xs" else None))
-    fn = jax.vmap(fn, in_axes=(0, 0, None))
+    if not example_axis:
+        fn = jax.vmap(fn, in_axes=(0, 0, None))
     out = fn(list(operands), g, leaf)
+    out = jnp.moveaxis(out, example_axis, 0)
     # const levels were vmapped with an unbatched leaf: their axes are iterations to sum.
     axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
     return jnp.sum(out, axis=tuple(axes)) if axes else out
@@ -381,11 +394,11 @@ def local_grad(site: Site, operands, g, leaf):
 def instantiate(site: Site, f: Factored, leaf):
     """``[B, *leaf.shape]`` per-example gradient of a dot/conv/gather site (for leaves that mix site kinds)."""
     if f.left_is_ids:
-        batch, k = f.right.shape[:2]
+        k, batch = f.right.shape[:2]
         dense = jnp.zeros((batch, k, f.rows, f.right.shape[-1]), jnp.float32)
-        b_idx = jnp.arange(batch)[:, None, None]
-        k_idx = jnp.arange(k)[None, :, None]
+        b_idx = jnp.arange(batch)[None, :, None]
+        k_idx = jnp.arange(k)[:, None, None]
         dense = dense.at[b_idx, k_idx, f.left].add(f.right.astype(jnp.float32))
     else:
-        dense = jnp.einsum("bktr,bktc->bkrc", f.left, f.right, preferred_element_type=jnp.float32)
+        dense = jnp.einsum("kbtr,kbtc->bkrc", f.left, f.right, preferred_element_type=jnp.float32)
     return jax.vmap(lambda blocks: to_leaf(site, blocks, leaf, f))(dense)
