@@ -58,7 +58,8 @@ def linen_setup() -> Setup:
 def einsum_setup(nan_example: int | None = None) -> Setup:
     """A plain-JAX scan over per-head weights ``w [L, H, d, e]`` used by ``bthd,hde->bthe`` (a dot batch axis)."""
     keys = jax.random.split(jax.random.key(2), 3)
-    params = {"w": 0.5 * jax.random.normal(keys[0], (L, 2, 4, 4)), "scale": 1.0 + 0.1 * jax.random.normal(keys[1], (L, 4))}
+    params = {"w": 0.5 * jax.random.normal(keys[0], (L, 2, 4, 4)),
+              "scale": 1.0 + 0.1 * jax.random.normal(keys[1], (L, 4))}
     x = np.array(jax.random.normal(keys[2], (B, T, 2, 4)))
     if nan_example is not None:
         x[nan_example, 1] = np.nan
