@@ -5,8 +5,10 @@ then examples); the factored uses are blocks first (``sites.factored``), so the 
 and the clipped sum read them where they are. Until 2026-11-29 the examples were moved first, and XLA transposed
 every such array (twice where a unit axis stood between the moves): about 0.1x of the 48-layer depth benchmark's
 step. Checked here: values against ``vmap(grad)`` (a Flax linen ``nn.scan`` decoder block and a plain-JAX scan of
-a per-head einsum, whose dot batch axis makes blocks of its own; masks and a NaN example), and the compiled
-program holding no transpose of an ``[L, B, ...]`` array that swaps its iterations and examples.
+a per-head einsum, whose dot batch axis makes blocks of its own; masks and a NaN example), the compiled program
+holding no transpose of an ``[L, B, ...]`` array that swaps its iterations and examples, and each value kept once:
+inside a scan every kept value is a stacked output of its own, so two projections of one input share one record
+and a bias shares its dense layer's output gradient (``Analysis.shared_records`` / ``shared_gradient``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import pytest
 from helpers import B, Setup, check_private
 
 import dpzero_jax as dz
+from dpzero_jax.layer_plan import leaf_paths
+from dpzero_jax.program import mode
 
 L, T, D, VOCAB = 3, 6, 8, 11
 
@@ -28,8 +32,10 @@ L, T, D, VOCAB = 3, 6, 8, 11
 class Block(nn.Module):
     @nn.compact
     def __call__(self, h, _):
-        y = nn.DenseGeneral((2, D // 2), name="heads")(nn.LayerNorm()(h))
-        h = h + nn.DenseGeneral(D, axis=(-2, -1), name="merge")(jnp.tanh(y))
+        x = nn.LayerNorm()(h)
+        y = nn.DenseGeneral((2, D // 2), name="heads")(x)
+        gate = nn.DenseGeneral((2, D // 2), name="gate")(x)     # the same input: its record is the heads' record
+        h = h + nn.DenseGeneral(D, axis=(-2, -1), name="merge")(jnp.tanh(y) * jax.nn.sigmoid(gate))
         return h + nn.Dense(D)(jax.nn.gelu(nn.Dense(2 * D)(h))), None
 
 
@@ -101,3 +107,29 @@ def test_scanned_operands_are_not_transposed(make):
     hlo = grad.lower(setup.params, setup.batch, jax.random.key(0)).compile().as_text()
     assert re.search(rf"f32\[{L},{B},", hlo), "test setup: the program should hold per-example arrays [L, B, ...]"
     assert _swapped_stacks(hlo) == []
+
+
+def test_each_value_is_kept_once():
+    setup = linen_setup()
+    cfg = dz.DPConfig(mode="bk", front_end="program")
+    plan = mode.plan_program(setup.loss_fn, cfg, setup.params, setup.batch, leaf_paths(setup.params), B)
+    sites = plan.analysis.sites
+
+    def path_of(leaf_path):
+        (found,) = [p for p, s in sites.items() if plan.paths[s.view.leaf] == leaf_path]
+        return found
+
+    block = "ScanBlock_0"
+    assert plan.analysis.shared_records == {path_of(f"{block}/gate/kernel"): path_of(f"{block}/heads/kernel")}
+    shared = {plan.paths[sites[p].view.leaf]: plan.paths[sites[q].view.leaf]
+              for p, q in plan.analysis.shared_gradient.items()}
+    expected = {f"{block}/{layer}/bias": f"{block}/{layer}/kernel"
+                for layer in ("heads", "gate", "merge", "Dense_0", "Dense_1")}
+    assert shared == expected | {"Dense_0/bias": "Dense_0/kernel"}
+
+    leaves, batch_leaves = jax.tree.leaves(setup.params), jax.tree.leaves(setup.batch)
+    _, records, probe_ct, _ = mode._pass(plan, leaves, batch_leaves)
+    for path, first in plan.analysis.shared_records.items():
+        assert records[path] is records[first]
+    for path, source in plan.analysis.shared_gradient.items():
+        assert probe_ct[path] is probe_ct[source]

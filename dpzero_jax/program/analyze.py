@@ -108,6 +108,10 @@ class Analysis:
     containers: set = dataclasses.field(default_factory=set)
     reasons: dict = dataclasses.field(default_factory=dict)   # fallback leaf -> first reason
     primitives: dict = dataclasses.field(default_factory=dict)  # path of an entered sub-program -> its primitive
+    # site -> an earlier site of the same sub-program whose recorded operands are the same values (the query, key and
+    # value projections of one input), or whose output gradient is the same value (see :func:`_shared`)
+    shared_records: dict = dataclasses.field(default_factory=dict)
+    shared_gradient: dict = dataclasses.field(default_factory=dict)
 
     def mark_fallback(self, leaves, reason: str) -> None:
         for leaf in leaves:
@@ -118,6 +122,10 @@ class Analysis:
         """Drop the sites of fallback leaves (their gradient comes from autodiff) and recompute the containers."""
         self.sites = {p: s for p, s in self.sites.items() if s.view.leaf not in self.fallback}
         self.containers = {p[:k] for p in self.sites for k in range(1, len(p))}
+        for shared in (self.shared_records, self.shared_gradient):
+            kept = {p: q for p, q in shared.items() if p in self.sites and q in self.sites}
+            shared.clear()
+            shared.update(kept)
         return self
 
     @property
@@ -195,7 +203,45 @@ def analyze(jaxpr, in_kinds, analysis: Analysis, path: tuple = (), lengths: tupl
         outs = _classify(eqn, kinds, analysis, here, lengths)
         for var, kind in zip(eqn.outvars, outs):
             env[var] = kind
+    _shared(jaxpr, analysis, path)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _shared(jaxpr, analysis: Analysis, path: tuple) -> None:
+    """Record the sites of this (sub-)program that repeat an earlier site's values, so that book-keeping keeps
+    each value once (inside a scan every kept value is a stacked output of its own):
+
+    * ``shared_records``: the same recorded operands (one input to the query, key and value projections);
+    * ``shared_gradient``: a shift ``x + b`` (a bias, a norm's offset) whose data operand ``x`` is the output of
+      another site used by nothing else and of the shift's shape: the shift passes its output gradient to ``x``
+      unchanged, so both sites' output gradients are one value.
+    """
+    uses: dict = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if not isinstance(v, jcore.Literal):
+            uses[v] = uses.get(v, 0) + 1
+    recorded_by: dict = {}
+    produced_by: dict = {}
+    for index, eqn in enumerate(jaxpr.eqns):
+        here = path + (index,)
+        site = analysis.sites.get(here)
+        if site is None:
+            continue
+        operands = tuple(eqn.invars[i] for i in site.recorded)
+        if operands and operands in recorded_by:
+            analysis.shared_records[here] = recorded_by[operands]
+        elif operands:
+            recorded_by[operands] = here
+        if site.kind == "local" and eqn.primitive.name in ("add", "add_any") and len(eqn.invars) == 2:
+            data = eqn.invars[1 - site.param_operand]
+            if (not isinstance(data, jcore.Literal) and data in produced_by and uses.get(data) == 1
+                    and tuple(data.aval.shape) == tuple(eqn.outvars[0].aval.shape)):
+                analysis.shared_gradient[here] = produced_by[data]
+        produced_by[eqn.outvars[0]] = here
 
 
 def _classify(eqn, kinds, analysis: Analysis, here: tuple, lengths: tuple) -> list:

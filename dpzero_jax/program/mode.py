@@ -21,6 +21,7 @@ contribute exactly zero (rows selected away, never multiplied).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -176,7 +177,7 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
                 values[i] = v
             records: dict = {}
             (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, probes, records,
-                          handler=add_probe)
+                          handler=functools.partial(_probe_once, analysis.shared_records))
             return loss, records
 
         loss, pullback, records = jax.vjp(forward, probes, fallback_whole, has_aux=True)
@@ -188,10 +189,28 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
     # scanned step's time); :func:`_leaf_terms` reads them in that layout (sites.factored makes blocks-first factors,
     # sites.local_grad maps over the examples where they are).
     depth = example_axes(plan)
-    out_axes = (0, {path: [depth[path]] * len(site.recorded) for path, site in analysis.sites.items()}, depth, 0)
+    out_axes = (0, {path: [depth[path]] * len(site.recorded) for path, site in analysis.sites.items()
+                    if path not in analysis.shared_records}, depth, 0)
     # spmd_axis_name: under a GSPMD step the example axis is split over the batch axes (dpzero_jax.spmd)
-    return jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
-                    spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(held, fallback_whole, list(batch_leaves))
+    losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
+                                                      spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
+        held, fallback_whole, list(batch_leaves))
+    # Values kept once (analyze._shared): the sites that repeat another's records or output gradient read its
+    # (the repeated output gradients are left unused, and compiled away).
+    for path, first in analysis.shared_records.items():
+        records[path] = records[first]
+    for path in analysis.shared_gradient:
+        source = path
+        while source in analysis.shared_gradient:
+            source = analysis.shared_gradient[source]
+        probe_ct[path] = probe_ct[source]
+    return losses, records, probe_ct, fallback_ct
+
+
+def _probe_once(shared_records: dict, site, invals, probe, records: dict) -> list:
+    """Book-keeping's handling of a site (:func:`~dpzero_jax.program.interpret.add_probe`), recording nothing for a
+    site whose operands an earlier site of its sub-program records (``shared_records``)."""
+    return add_probe(site, invals, probe, {} if site.path in shared_records else records)
 
 
 def example_axes(plan: ProgramPlan) -> dict:
