@@ -150,14 +150,13 @@ def instantiate_sum(uses: Sequence[PerExampleGrad], dtype=jnp.float32) -> Array:
 def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32, shape: tuple[int, ...] | None = None,
                          example_axis: int = 0) -> tuple[Array, Array]:
     """``(G, sq)``: the instantiated ``G = sum_u G_u`` as kept for the clipped sum (see :func:`instantiate_sum`) and
-    its ``[B]`` squared norms (examples on ``example_axis`` of ``shape``), taken of what is kept. In float32, ``G``
-    as computed. In a narrower ``dtype``, for
+    its ``[B]`` squared norms, taken of what is kept. In float32, ``G`` as computed. In a narrower ``dtype``, for
     dense uses: the float32 sum rounded once with ``lax.reduce_precision`` to ``dtype``'s precision, normed, and kept
     in ``dtype`` (an exact cast: the values are representable), so the norm can be computed in the fusion that
     writes ``G`` and still be the norm of what the clipped sum reads, whatever conversions the compiler merges. An
     embedding's rows are added in ``dtype`` (a float32 ``[B, V, d]`` scatter would undo the saving) and normed after
-    :func:`kept`. ``shape``: ``G`` reshaped to it (examples first) before it is normed and kept; the norms are over
-    everything after its first axis."""
+    :func:`kept`. ``shape``: ``G`` reshaped to it before it is normed and kept, the examples on its axis
+    ``example_axis`` (first, or second after the blocks: ``[K, B, ...]``); the norms are over every other axis."""
     rounds = jnp.dtype(dtype) != jnp.float32 and all(isinstance(u, Outer) and not u.left_is_ids for u in uses)
     total = instantiate_sum(uses, jnp.float32 if rounds else dtype)
     if shape is not None:
