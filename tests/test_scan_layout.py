@@ -133,3 +133,24 @@ def test_each_value_is_kept_once():
         assert records[path] is records[first]
     for path, source in plan.analysis.shared_gradient.items():
         assert probe_ct[path] is probe_ct[source]
+
+
+def test_an_output_used_twice_keeps_its_own_gradient():
+    """``y = x @ w`` feeds the bias ``y + b`` and the loss directly: ``y``'s output gradient is not the shift's,
+    so nothing is shared, and the values still match ``vmap(grad)``."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    params = {"w": jax.random.normal(keys[0], (L, D, D)) / np.sqrt(D), "b": 0.1 * jax.random.normal(keys[1], (L, D))}
+    batch = {"x": jax.random.normal(keys[2], (B, T, D))}
+
+    def loss_fn(p, batch):
+        def body(h, layer):
+            w, b = layer
+            y = h @ w
+            return jnp.tanh(y + b) + 0.5 * y, None
+        h, _ = jax.lax.scan(body, batch["x"], (p["w"], p["b"]))
+        return jnp.sum(jnp.square(h), axis=(1, 2))
+
+    setup = Setup("output used twice", params, loss_fn, batch, ())
+    plan = mode.plan_program(loss_fn, dz.DPConfig(mode="bk"), params, batch, leaf_paths(params), B)
+    assert plan.analysis.shared_gradient == {} and plan.analysis.shared_records == {}
+    check_private(setup, clip_fn="abadi", groups="param-wise", mode="bk")

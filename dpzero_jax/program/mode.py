@@ -195,8 +195,8 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
     losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
                                                       spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
         held, fallback_whole, list(batch_leaves))
-    # Values kept once (analyze._shared): the sites that repeat another's records or output gradient read its
-    # (the repeated output gradients are left unused, and compiled away).
+    # Values kept once (analyze._shared): a site repeating another's records or output gradient reads that site's
+    # (its own output gradient, the same value, is left unused and compiled away).
     for path, first in analysis.shared_records.items():
         records[path] = records[first]
     for path in analysis.shared_gradient:
