@@ -420,8 +420,9 @@ def test_no_per_example_weight_gradient_for_the_sum():
 @pytest.mark.slow
 def test_compiled_memory_of_a_remat_decoder():
     """Temporaries of the compiled step, 4 remat blocks, d 128, T 128, B 16, printed (``-m slow -s``). On XLA:CPU
-    (measured here: unrolled non-DP 77.1, bk 90.1, ghost 96.0, fused 104.4 MiB; scanned non-DP 26.6, bk 106.1,
-    ghost 35.3, fused 107.1 MiB) fused holds no records but a finite copy of the operands its weight path keeps;
+    (measured on 2026-11-29: unrolled non-DP 77.1, bk 90.0, ghost 110.1, fused 104.3 MiB; scanned non-DP 26.6, bk
+    83.0, ghost 32.5, fused 83.1 MiB -- bk 103.0 and fused 107.1 before book-keeping kept each value once and read
+    the scanned operands in place) fused holds no records but a finite copy of the operands its weight path keeps;
     scanned, the stacked weights' param-wise groups span the iterations, so fused book-keeps them in its pass (about
     bk's memory), while ghost takes its norms from the rematerialised backward (a third of bk's)."""
     unrolled, scanned = compiled_temp_bytes(False), compiled_temp_bytes(True)

@@ -145,13 +145,15 @@ def _leaf_sq(site, view_grad, base_shape):
     return jnp.sum(jnp.square(leaf_grad))
 
 
-def _book(site, invals, probe, records: dict) -> list:
+def _book(site, invals, probe, records: dict, shared: bool = False) -> list:
     """A site of a book-kept group: book-keeping's probe and records, with no weight path (the parameter under
-    ``stop_gradient``: its clipped sum is formed after the pullback)."""
+    ``stop_gradient``: its clipped sum is formed after the pullback). ``shared``: another book-kept site records
+    the same operands (``Analysis.shared_records``): nothing recorded here."""
     values = list(invals)
     values[site.param_operand] = jax.lax.stop_gradient(values[site.param_operand])
     (out,) = bind(site.eqn, values)
-    records[site.path] = [invals[i] for i in site.recorded]
+    if not shared:
+        records[site.path] = [invals[i] for i in site.recorded]
     return [out + probe.astype(out.dtype)]
 
 
@@ -164,6 +166,7 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip
     (computed at the head from the leaf, so that its weight path goes through the head)."""
     links: dict = {}      # member site path -> its link (a value of the trace both sites are evaluated in)
     sites = plan.analysis.sites
+    shared_records = book_kept_sharing(plan.analysis.shared_records, booked_sites)
 
     def member(site, invals):
         link = links.pop(site.path)
@@ -190,7 +193,7 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip
 
     def handler(site, invals, site_input, records):
         if site.path in booked_sites:
-            return _book(site, invals, site_input, records)
+            return _book(site, invals, site_input, records, site.path in shared_records)
         if site_input is None:
             return member(site, invals)
         sink, keep, threshold, member_leaves = site_input
@@ -239,6 +242,11 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip
     return handler
 
 
+def book_kept_sharing(shared: dict, booked_sites: frozenset) -> dict:
+    """The pairs of ``Analysis.shared_records`` / ``shared_gradient`` whose sites are both book-kept here."""
+    return {p: q for p, q in shared.items() if p in booked_sites and q in booked_sites}
+
+
 def program_fused(cfg, plan, params, batch, mask, layout=None):
     """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``: one forward (``vmap`` over
     the examples inside one ``jax.vjp``), one pullback. With a ZeRO-3 ``layout``: on the shards, gathered at each
@@ -279,12 +287,20 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
             (loss,) = run(plan.closed.jaxpr, plan.closed.consts, local + list(example), analysis, inputs, records,
                           handler=handler)
             return loss, records
-        return jax.vmap(one, spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves), sinks, mask, probes)
+        # book-kept sites' probes, records and probe cotangents with the examples after the enclosing scans' axes,
+        # as book-keeping's pass (mode._pass: the layout the scans produce them in)
+        return jax.vmap(one, in_axes=(0, 0, 0, 0, depth), out_axes=(0, record_axes),
+                        spmd_axis_name=spmd.batch_axes(size))(copies, list(batch_leaves), sinks, mask, probes)
 
     sinks = {path: jnp.zeros((size,) + tuple(plan.iterations.get(group, ())), jnp.float32)
              for path, (group, _) in heads.items()}
     copies = [jnp.broadcast_to(w, (size,) + w.shape) for w in (zero3.materialise(held[i]) for i in fallback)]
-    probes = {path: jnp.zeros((size,) + bk.zero_probe(analysis.sites[path]).shape,
+    depth = {path: axis for path, axis in bk.example_axes(plan).items() if path in booked_sites}
+    shared_records = book_kept_sharing(analysis.shared_records, booked_sites)
+    shared_gradient = book_kept_sharing(analysis.shared_gradient, booked_sites)
+    record_axes = {path: [depth[path]] * len(analysis.sites[path].recorded) for path in booked_sites
+                   if path not in shared_records}
+    probes = {path: jnp.zeros(analysis.sites[path].lengths + (size,) + tuple(analysis.sites[path].out_aval.shape),
                               analysis.sites[path].out_aval.dtype) for path in booked_sites}
     losses, pullback, records = jax.vjp(forward, [leaves[i] for i in site_leaves], copies, sinks, probes,
                                         has_aux=True)
@@ -292,6 +308,7 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
     # then its norms are), so it contributes nothing at any site.
     sums, fallback_ct, sq_of_head, probe_ct = pullback(
         jnp.where(jnp.isfinite(losses), 1.0, 0.0).astype(losses.dtype))
+    bk.share(records, probe_ct, shared_records, shared_gradient)
 
     n_groups = len(plan.group_names)
     sq = [jnp.zeros((size,), jnp.float32)] * n_groups
@@ -307,7 +324,7 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
     whole = bk.whole_leaves(plan, leaves, layout, probe_ct)
     if booked:   # book-keeping's norms and clipped sums, from the records and probe cotangents of the same pass
         terms = bk._leaf_terms(plan, whole, records, probe_ct, fallback_ct, captured=booked_leaves,
-                               method=cfg.norm_method)
+                               method=cfg.norm_method, example_axis=depth)
         booked_sq, summers = bk.norms_and_summers(cfg, plan, whole,
                                                   {i: t for i, t in terms.items() if i in booked_leaves}, size)
         for i, value in booked_sq.items():

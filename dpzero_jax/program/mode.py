@@ -195,16 +195,20 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
     losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
                                                       spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
         held, fallback_whole, list(batch_leaves))
-    # Values kept once (analyze._shared): a site repeating another's records or output gradient reads that site's
-    # (its own output gradient, the same value, is left unused and compiled away).
-    for path, first in analysis.shared_records.items():
-        records[path] = records[first]
-    for path in analysis.shared_gradient:
-        source = path
-        while source in analysis.shared_gradient:
-            source = analysis.shared_gradient[source]
-        probe_ct[path] = probe_ct[source]
+    share(records, probe_ct, analysis.shared_records, analysis.shared_gradient)
     return losses, records, probe_ct, fallback_ct
+
+
+def share(records: dict, probe_ct: dict, shared_records: dict, shared_gradient: dict) -> None:
+    """Values kept once (``analyze._shared``): a site repeating another's records or output gradient reads that
+    site's (its own output gradient, the same value, is left unused and compiled away). In place."""
+    for path, first in shared_records.items():
+        records[path] = records[first]
+    for path in shared_gradient:
+        source = path
+        while source in shared_gradient:
+            source = shared_gradient[source]
+        probe_ct[path] = probe_ct[source]
 
 
 def _probe_once(shared_records: dict, site, invals, probe, records: dict) -> list:
