@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
+import pathlib
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -230,3 +233,15 @@ def per_example_shapes(setup: Setup, cfg, weight_shape: tuple) -> set:
                                                                           jax.random.key(0))
     n = len(weight_shape)
     return {s for s in shapes_in(jaxpr.jaxpr) if s[-n:] == weight_shape and len(s) > n and np.prod(s[:-n]) > 1}
+
+
+def experiment_module(name: str):
+    """``experiments/<name>.py`` loaded as the module ``name`` (registered in ``sys.modules``, so a second load
+    reuses the first), for tests of the benchmarks' helpers."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).parents[1] / "experiments"
+                                                      / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

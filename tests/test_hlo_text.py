@@ -4,23 +4,17 @@ References are the programs' own structure: a scan of length L around one ``psum
 multiply. The TPU compiler records no ``known_trip_count`` (XLA:CPU does), so every CPU program is also read with
 that annotation removed, as the TPU prints it, and must give the same counts from the loops' conditions alone."""
 
-import importlib.util
-import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import experiment_module
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-_PATH = pathlib.Path(__file__).parents[1] / "experiments" / "hlo_text.py"
-_SPEC = importlib.util.spec_from_file_location("hlo_text", _PATH)
-hlo = importlib.util.module_from_spec(_SPEC)
-sys.modules.setdefault("hlo_text", hlo)
-_SPEC.loader.exec_module(hlo)
+hlo = experiment_module("hlo_text")
 
 
 def _without_known_trip_counts(text: str) -> str:

@@ -4,24 +4,18 @@ the caller's key, reproducible, and independent across leaves."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from helpers import B, Setup, build, mlp_batch, private_fn
+from helpers import B, Setup, build, experiment_module, mlp_batch, private_fn
 
 import dpzero_jax as dz
 from dpzero_jax.noise import MAX_SEPARATE_SMALL, NOISE_BLOCK, SMALL_LEAF, SMALL_NOISE_BLOCK, SWITCH_GROUP
 
-# the benchmarks' reader of compiled programs (experiments/hlo_text.py: plain text parsing)
-_HLO_SPEC = importlib.util.spec_from_file_location(
-    "hlo_text", pathlib.Path(__file__).parents[1] / "experiments" / "hlo_text.py")
-hlo_text = importlib.util.module_from_spec(_HLO_SPEC)
-_HLO_SPEC.loader.exec_module(hlo_text)
+hlo_text = experiment_module("hlo_text")   # the benchmarks' reader of compiled programs (plain text parsing)
 
 
 @functools.cache

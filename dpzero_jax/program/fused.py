@@ -157,16 +157,17 @@ def _book(site, invals, probe, records: dict, shared: bool = False) -> list:
     return [out + probe.astype(out.dtype)]
 
 
-def _fused_handler(plan, heads: dict, booked_sites: frozenset, method: str, clip_fn: str, gamma: float):
+def _fused_handler(plan, heads: dict, booked_sites: frozenset, shared_records: dict, method: str, clip_fn: str,
+                   gamma: float):
     """The site handler: the data path, the weight path and the tap (see the module doc). A head site's input is
     ``(sink, keep, threshold, member leaves)`` for this example; a member site's is None. A head's tap has one more
     output per member, a zero *link* of the member's view shape, which the member's tap takes as an input: its
     backward (reached first) returns the example's gradient of the member's view as the link's cotangent, and the
     head's backward adds its norm to the group's and returns it, scaled by the coefficient, to the member's view
-    (computed at the head from the leaf, so that its weight path goes through the head)."""
+    (computed at the head from the leaf, so that its weight path goes through the head). ``shared_records``: the
+    book-kept sites that record nothing (:func:`book_kept_sharing`)."""
     links: dict = {}      # member site path -> its link (a value of the trace both sites are evaluated in)
     sites = plan.analysis.sites
-    shared_records = book_kept_sharing(plan.analysis.shared_records, booked_sites)
 
     def member(site, invals):
         link = links.pop(site.path)
@@ -261,7 +262,9 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
     fallback = sorted(analysis.fallback)
     thresholds = jnp.asarray(plan.thresholds, jnp.float32)
     booked_sites = frozenset(path for path, s in analysis.sites.items() if s.view.leaf in booked_leaves)
-    handler = _fused_handler(plan, heads, booked_sites, cfg.norm_method, cfg.clip_fn, cfg.gamma)
+    shared_records = book_kept_sharing(analysis.shared_records, booked_sites)
+    shared_gradient = book_kept_sharing(analysis.shared_gradient, booked_sites)
+    handler = _fused_handler(plan, heads, booked_sites, shared_records, cfg.norm_method, cfg.clip_fn, cfg.gamma)
 
     held = zero3.held(plan.paths, leaves, layout)
 
@@ -296,8 +299,6 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
              for path, (group, _) in heads.items()}
     copies = [jnp.broadcast_to(w, (size,) + w.shape) for w in (zero3.materialise(held[i]) for i in fallback)]
     depth = {path: axis for path, axis in bk.example_axes(plan).items() if path in booked_sites}
-    shared_records = book_kept_sharing(analysis.shared_records, booked_sites)
-    shared_gradient = book_kept_sharing(analysis.shared_gradient, booked_sites)
     record_axes = {path: [depth[path]] * len(analysis.sites[path].recorded) for path in booked_sites
                    if path not in shared_records}
     probes = {path: jnp.zeros(analysis.sites[path].lengths + (size,) + tuple(analysis.sites[path].out_aval.shape),
