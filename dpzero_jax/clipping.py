@@ -96,8 +96,10 @@ def assign_groups(groups, paths: Sequence[str], layer_order: Sequence[str]) -> t
         keys = {p: chunk_of[parent(p)] for p in paths}
     elif isinstance(groups, Mapping):
         missing = [p for p in paths if p not in groups]
-        if missing:
-            raise ValueError(f"the groups mapping does not assign these parameters: {missing}")
+        unknown = [k for k in groups if k not in set(paths)]
+        if missing or unknown:
+            raise ValueError("the groups mapping must assign exactly the trainable parameters' paths "
+                             f"{list(paths)}; unassigned: {missing}, not parameters: {unknown}")
         keys = {p: groups[p] for p in paths}
     elif callable(groups):
         keys = {p: groups(p) for p in paths}

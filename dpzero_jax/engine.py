@@ -45,6 +45,7 @@ from dpzero_jax.layer_plan import (  # noqa: F401  (DPStats, Plan, make_plan, ..
     _microbatches,
     leaf_paths,
     make_plan,
+    misplaced_note,
     whole_shapes,
 )
 from dpzero_jax.modes.bk import _bk, bk_forward  # noqa: F401  (bk_forward: re-exported)
@@ -135,6 +136,9 @@ def _check_mask(mask, batch_size):
     mask = jnp.asarray(mask)
     if mask.shape != (batch_size,):
         raise ValueError(f"mask must have shape [B] = ({batch_size},), got {mask.shape}")
+    if jnp.issubdtype(mask.dtype, jnp.inexact):
+        raise TypeError(f"mask must be a boolean (or 0/1 integer) [B] array, True where the example counts; got "
+                        f"dtype {mask.dtype} (it includes or excludes examples, it does not weight them)")
     return mask.astype(bool)
 
 
@@ -156,9 +160,10 @@ def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
     if wanted == "layers":
         if plan.outside:
             raise UnsupportedParameterError(
-                f"trainable parameters used outside a supported DP layer: {list(plan.outside)}, and "
-                "DPConfig.front_end='layers'. Use front_end='auto' or 'program' (any JAX model, mode 'bk', "
-                "'ghost', 'fused' or 'auto'), build the model from dpzero_jax layers, or use mode='vmap'.")
+                f"trainable parameters used outside a supported DP layer: {list(plan.outside)}"
+                f"{misplaced_note(plan.misplaced)}, and DPConfig.front_end='layers'. Use front_end='auto' or "
+                "'program' (any JAX model, mode 'bk', 'ghost', 'fused' or 'auto'), build the model from dpzero_jax "
+                "layers, or use mode='vmap'.")
         return "layers"
     return "program"
 
@@ -313,6 +318,9 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
     losses_fn, aux_of = split_aux(loss_fn, has_aux)
 
     def private_grad(params, batch, key, mask=None, *, thresholds=None):
+        if not (isinstance(key, jax.Array) or hasattr(key, "dtype")):
+            raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed)), the noise's; got "
+                            f"{type(key).__name__} (it is required even with noise_multiplier=0)")
         plan, result, stats = _clip(losses_fn, cfg, params, batch, mask, thresholds=thresholds)
         divisor = cfg.expected_batch_size or plan.batch_size
         clipped_sum = result.clipped_sum

@@ -80,6 +80,7 @@ class Plan:
     batch_size: int
     outside: tuple[str, ...] = ()                  # trainable leaves used outside dpzero_jax layers
     front_end: str = "layers"
+    misplaced: tuple[str, ...] = ()                # layer calls the layer tapes cannot compute, and why
 
     @property
     def shared_calls(self) -> frozenset[int]:
@@ -128,28 +129,82 @@ def _first_uses(jaxpr, invars, path: tuple = ()) -> dict[int, tuple]:
     return found
 
 
-def _discover(fn: Callable, params, *args):
-    """``fn(params, *args)`` traced abstractly under the discovery tape: ``(closed jaxpr, layer call records,
-    per leaf of params: whether the program uses it outside dpzero_jax layers)``."""
-    leaves, treedef = jax.tree.flatten(params)
-    paths = leaf_paths(params)
+def _trace_discovery(fn: Callable, treedef, paths, leaves, args):
+    """``(closed jaxpr, layer call records)`` of ``fn(params, *args)`` traced abstractly under the discovery tape."""
     records: list[tape_lib.CallRecord] = []
 
     def traced(leaves, args):
-        discovery = tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)})
+        top = next((x for x in jax.tree.leaves((args, leaves)) if isinstance(x, jax.core.Tracer)), None)
+        discovery = tape_lib.DiscoveryTape({id(leaf): path for leaf, path in zip(leaves, paths)},
+                                           getattr(top, "_trace", None))
         with tape_lib.active(discovery):
             out = fn(jax.tree.unflatten(treedef, leaves), *args)
         records.extend(discovery.records)
         return out
 
-    closed = jax.make_jaxpr(traced)(_abstract(leaves), _abstract(args))
-    return closed, records, _used_inputs(closed)[:len(leaves)]
+    return jax.make_jaxpr(traced)(_abstract(leaves), _abstract(args)), records
+
+
+def _discover(fn: Callable, params, *args):
+    """``fn(params, *args)`` traced abstractly under the discovery tape: ``(closed jaxpr, layer call records,
+    per leaf of params: whether the program uses it outside dpzero_jax layers, {call index: description of a misplaced
+    call})``.
+    The leaves of a misplaced layer call (:func:`_misplaced_calls`) count as used outside layers and its record is
+    dropped: the layer tapes cannot compute it, the traced-program front-end can."""
+    leaves, treedef = jax.tree.flatten(params)
+    paths = leaf_paths(params)
+    closed, records = _trace_discovery(fn, treedef, paths, leaves, args)
+    used = _used_inputs(closed)[:len(leaves)]
+    why = _misplaced_calls(fn, treedef, paths, leaves, args, records)
+    misplaced = {r.index: f"{r.rule.name} layer call on {[path for _, path in r.param_paths]}: {why[r.index]}"
+                 for r in records if r.index in why}
+    if misplaced:
+        moved = {path for r in records if r.index in misplaced for _, path in r.param_paths}
+        used = [u or path in moved for u, path in zip(used, paths)]
+        records = [r for r in records if r.index not in misplaced]
+    return closed, records, used, misplaced
+
+
+def _misplaced_calls(fn: Callable, treedef, paths, leaves, args, records) -> dict[int, str]:
+    """``{call index: why}`` for the calls of layers with trainable parameters that the layer tapes would get wrong:
+    a call inside a nested trace (``jax.checkpoint`` / remat, ``lax.scan`` / ``nn.scan``, ``vmap``, ``cond``, a nested
+    ``jit``: the tapes' probes cannot reach into it), or one whose input does not carry the examples on its leading
+    axis (the rules read ``x[i]`` as example ``i``; a time-major ``[T, B, d]`` input is wrong when ``T == B`` and fails
+    to broadcast otherwise). Where the leading axis has the batch's size and another axis too, the loss is traced
+    once more with one example more and the call's leading axis must follow."""
+    try:
+        batch = _batch_size(args[0]) if args else None
+    except ValueError:
+        batch = None
+    out, ambiguous = {}, []
+    for r in records:
+        if not r.param_paths:
+            continue
+        if not r.top_level:
+            out[r.index] = ("called inside a transformation of the loss (jax.checkpoint / remat, lax.scan / nn.scan, "
+                            "vmap, cond or a nested jit)")
+        elif batch is not None and r.input_shape[:1] != (batch,):
+            out[r.index] = f"input of shape {r.input_shape}: its leading axis is not the batch's {batch} examples"
+        elif batch is not None and batch in r.input_shape[1:]:
+            ambiguous.append(r)
+    if ambiguous:
+        grown = jax.tree.map(lambda x: jax.ShapeDtypeStruct((batch + 1,) + np.shape(x)[1:], jnp.result_type(x)),
+                             args[0])
+        try:
+            again = {r.index: r for r in _trace_discovery(fn, treedef, paths, leaves, (grown, *args[1:]))[1]}
+        except Exception:   # the loss does not trace with another batch size (e.g. it closes over [B] arrays)
+            again = {}
+        for r in ambiguous:
+            if again.get(r.index) is None or again[r.index].input_shape[:1] != (batch + 1,):
+                out[r.index] = (f"input of shape {r.input_shape}: its leading axis did not follow the batch when the "
+                                f"loss was traced with {batch + 1} examples")
+    return out
 
 
 def used_outside_layers(fn: Callable, params, *args) -> list[str]:
     """Paths of the leaves of ``params`` that ``fn(params, *args)`` uses outside ``dpzero_jax`` layers (traced
     abstractly; ``params`` and ``args`` may be ``ShapeDtypeStruct``)."""
-    _, _, used = _discover(fn, params, *args)
+    _, _, used, _ = _discover(fn, params, *args)
     return [path for path, u in zip(leaf_paths(params), used) if u]
 
 
@@ -161,17 +216,27 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
         if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
             raise TypeError(f"trainable parameter {path!r} has dtype {jnp.result_type(leaf)}; trainable "
                             "parameters must be floating point (keep integer state out of params)")
+    if not leaves:
+        raise ValueError("params has no arrays: there is nothing to train (a params pytree, or the model's "
+                         "trainable state)")
     batch_size = _batch_size(batch)
-    closed, records, used = _discover(loss_fn, params, batch)
+    if batch_size == 0:
+        raise ValueError("the batch is empty (0 examples); a sampled batch that may be empty is padded to a fixed "
+                         "size and its padding excluded with mask")
+    closed, records, used, misplaced = _discover(loss_fn, params, batch)
     out = closed.out_avals
     if len(out) != 1 or out[0].shape != (batch_size,):
         raise ValueError(f"loss_fn must return per-example losses of shape [B] = ({batch_size},); got "
                          f"{[tuple(a.shape) for a in out]}"
                          f"{' (for (losses, aux) pass has_aux=True)' if len(out) > 1 else ''}")
+    if not jnp.issubdtype(out[0].dtype, jnp.floating):
+        raise TypeError(f"loss_fn must return floating-point per-example losses; got dtype {out[0].dtype} (an "
+                        "integer loss has no gradient)")
     outside = [path for path, u in zip(paths, used) if u]
     if require_supported and outside:
         raise UnsupportedParameterError(
-            f"trainable parameters used outside a supported DP layer: {outside}. This engine path needs "
+            f"trainable parameters used outside a supported DP layer: {outside}"
+            f"{misplaced_note(misplaced.values())}. This engine path needs "
             "dpzero_jax layers (dpzero_jax.nn / dpzero_jax.ops); DPConfig(front_end='auto' or 'program') with "
             "mode='bk' or 'auto' computes any model from its traced program, and mode='vmap' always works.")
     trainable_records = tuple(r for r in records if r.param_paths)
@@ -186,7 +251,15 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
     group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
     thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
     return Plan(tuple(paths), trainable_records, {p: tuple(u) for p, u in uses.items()}, group_of, group_names,
-                tuple(float(t) for t in thresholds), batch_size, tuple(outside))
+                tuple(float(t) for t in thresholds), batch_size, tuple(outside), misplaced=tuple(misplaced.values()))
+
+
+def misplaced_note(misplaced) -> str:
+    """The error-message clause for layer calls the layer tapes cannot compute ('' when there are none)."""
+    misplaced = list(misplaced)
+    if not misplaced:
+        return ""
+    return " (dpzero_jax layer calls that the layer tapes cannot compute: " + "; ".join(misplaced) + ")"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -109,6 +109,7 @@ class CallRecord:
     input_shape: tuple[int, ...]
     output_shape: tuple[int, ...]
     output_dtype: Any
+    top_level: bool = True   # traced in the loss itself, not inside a nested trace (scan, remat, vmap, cond, jit)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -166,17 +167,24 @@ class _Tape:
 
 
 class DiscoveryTape(_Tape):
-    def __init__(self, leaf_paths):
+    """Records every layer call. ``top_trace``: the trace of the loss's own inputs; a call whose input belongs to
+    another trace -- a ``lax.scan`` / ``nn.scan`` or ``jax.checkpoint`` body, a ``vmap``, a ``cond`` branch, a nested
+    ``jit`` -- is recorded with ``top_level=False`` (the tapes that compute per-example quantities cannot reach into
+    those: :func:`dpzero_jax.layer_plan.make_plan` leaves such calls to the traced-program front-end)."""
+
+    def __init__(self, leaf_paths, top_trace=None):
         super().__init__(leaf_paths)
         self.records: list[CallRecord] = []
+        self._top_trace = top_trace
 
     def call(self, rule, spec, params, x):
         index = self._next()
         trainable, frozen, paths = self._split(params)
         stand_ins = {name: jnp.zeros(v.shape, v.dtype) for name, v in trainable.items()}
         y = rule.apply({**frozen, **stand_ins}, x, spec)
+        top_level = self._top_trace is None or getattr(x, "_trace", None) is self._top_trace
         self.records.append(CallRecord(index, rule, spec, tuple(paths.items()), tuple(x.shape), tuple(y.shape),
-                                       y.dtype))
+                                       y.dtype, top_level))
         return y
 
 

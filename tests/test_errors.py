@@ -192,6 +192,28 @@ def test_wrong_mask_shape(mask):
         fn(setup.params, setup.batch, jax.random.key(0), mask)
 
 
+def test_inputs_without_a_clear_meaning_are_refused():
+    """An empty batch, no parameters, no key, a float mask (read as nonzero == True, not as a weight) and a groups
+    mapping naming a path that is not a parameter: each refused by a message that names it."""
+    setup = mlp()
+    fn = private_fn(setup.loss_fn, dz.DPConfig(mode="bk"), use_jit=False)
+    empty = jax.tree.map(lambda x: x[:0], setup.batch)
+    with pytest.raises(ValueError, match="the batch is empty"):
+        fn(setup.params, empty, jax.random.key(0))
+    with pytest.raises(ValueError, match="params has no arrays"):
+        private_fn(lambda p, b: jnp.sum(b["x"], axis=1), dz.DPConfig(mode="bk"), use_jit=False)(
+            {}, setup.batch, jax.random.key(0))
+    with pytest.raises(TypeError, match="key must be a JAX PRNG key"):
+        fn(setup.params, setup.batch, None)
+    with pytest.raises(TypeError, match="mask must be a boolean"):
+        fn(setup.params, setup.batch, jax.random.key(0), np.full(B, 0.5, np.float32))
+    paths = ref.flat(setup.params)
+    mapping = {**{path: "all" for path in paths}, "not/a/param": "all"}
+    with pytest.raises(ValueError, match=r"not parameters: \['not/a/param'\]"):
+        private_fn(setup.loss_fn, dz.DPConfig(mode="bk", groups=mapping), use_jit=False)(
+            setup.params, setup.batch, jax.random.key(0))
+
+
 def test_inconsistent_batch_axis():
     setup = mlp()
     batch = dict(setup.batch, label=np.zeros(B + 1, np.int32))
@@ -270,3 +292,4 @@ def test_per_example_grad_norms_rejects_unknown_mode():
     setup = mlp()
     with pytest.raises(ValueError, match="mode"):
         dz.per_example_grad_norms(setup.loss_fn, setup.params, setup.batch, mode="fused")
+
