@@ -63,7 +63,7 @@ from dpzero_jax.fit_data import (
     run_evaluation,
     warn_about_sampling,
 )
-from dpzero_jax.optax_dp import clipped_grad
+from dpzero_jax.optax_dp import clipped_grad, merged_loss
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import PoissonSampler
 from dpzero_jax.train_metrics import jsonable, read_metrics
@@ -231,9 +231,7 @@ class PrivateTrainer:
         if isinstance(model, nnx.Module):
             graphdef, params, rest = nnx.split(model, nnx.Param if wrt is None else wrt, ...)
             self._graphdef = graphdef
-
-            def loss(params, batch, rest):
-                return loss_fn(nnx.merge(graphdef, params, rest), batch)
+            loss = merged_loss(loss_fn, graphdef)
         else:
             if wrt is not None:
                 raise ValueError("PrivateTrainer: wrt selects the trained variables of a flax.nnx model; model is a "

@@ -175,9 +175,10 @@ def nnx_private_step(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = False,
 
     def step(model, optimizer, batch, key, mask=None):
         graphdef, params, rest = nnx.split(model, wrt, ...)
+        merged = merged_loss(loss_fn, graphdef)
 
         def params_loss(params, batch):
-            return loss_fn(nnx.merge(graphdef, params, rest), batch)
+            return merged(params, batch, rest)
 
         values, grads, stats = engine.private_value_and_grad(params_loss, cfg, has_aux=has_aux)(
             params, batch, key, mask)
@@ -185,3 +186,25 @@ def nnx_private_step(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = False,
         return values, stats
 
     return nnx.jit(step) if jit else step
+
+
+def merged_loss(loss_fn: Callable, graphdef) -> Callable:
+    """``loss(params, batch, rest) -> loss_fn(nnx.merge(graphdef, params, rest), batch)``: an NNX model's loss on
+    its split state, as the private steps trace it. A model that updates its own state while it computes the loss
+    -- ``nnx.Dropout`` drawing from its ``Rngs`` stream, ``nnx.BatchNorm`` updating batch statistics, in training
+    mode -- cannot: the engine traces the loss abstractly and per example, and Flax refuses the update there
+    (``TraceContextError``); the error says so instead."""
+    from flax import errors as flax_errors
+    from flax import nnx
+
+    def loss(params, batch, rest):
+        try:
+            return loss_fn(nnx.merge(graphdef, params, rest), batch)
+        except flax_errors.TraceContextError as error:
+            raise ValueError(
+                "the model updates its own state while computing the loss (e.g. nnx.Dropout drawing from its "
+                "Rngs, or nnx.BatchNorm updating batch statistics, in training mode); the private step traces the "
+                "loss per example and cannot carry such updates. Use model.eval() (or deterministic=True / "
+                "use_running_average=True) for those layers, or remove them: batch statistics mix examples, which "
+                "per-example clipping cannot bound") from error
+    return loss

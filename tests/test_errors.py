@@ -293,3 +293,41 @@ def test_per_example_grad_norms_rejects_unknown_mode():
     with pytest.raises(ValueError, match="mode"):
         dz.per_example_grad_norms(setup.loss_fn, setup.params, setup.batch, mode="fused")
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# NNX models that update their own state in the loss
+
+
+class _StatefulNet(nnx.Module):
+    def __init__(self, layer: str, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(8, 16, rngs=rngs)
+        self.middle = nnx.Dropout(0.5, rngs=rngs) if layer == "dropout" else nnx.BatchNorm(16, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.middle(jax.nn.relu(self.hidden(x))))
+
+
+@pytest.mark.parametrize("layer", ["dropout", "batchnorm"])
+def test_stateful_layers_in_training_mode_are_named(layer):
+    """Flax's own ``TraceContextError`` (a state update inside the engine's per-example trace) became a message
+    naming the cause and the fix, in ``nnx_private_step`` and the trainer; ``model.eval()`` trains."""
+    import optax
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(64, 8)).astype(np.float32), "y": rng.integers(0, 3, 64)}
+    batch = {k: jnp.asarray(v[:4]) for k, v in data.items()}
+    model = _StatefulNet(layer, nnx.Rngs(0))
+    step = dz.nnx_private_step(loss_fn, dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0))
+    with pytest.raises(ValueError, match="updates its own state while computing the loss"):
+        step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), batch, jax.random.key(0))
+    trainer = dz.PrivateTrainer(_StatefulNet(layer, nnx.Rngs(0)), loss_fn, optax.sgd(0.1), data, batch_size=8,
+                                steps=1, epsilon=3.0, delta=1e-3)
+    with pytest.raises(ValueError, match="model.eval()"):
+        trainer.fit()
+    model.eval()
+    losses, _ = step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), batch, jax.random.key(0))
+    assert losses.shape == (4,) and bool(jnp.all(jnp.isfinite(losses)))
