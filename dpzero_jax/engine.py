@@ -318,9 +318,9 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
     losses_fn, aux_of = split_aux(loss_fn, has_aux)
 
     def private_grad(params, batch, key, mask=None, *, thresholds=None):
-        if not (isinstance(key, jax.Array) or hasattr(key, "dtype")):
-            raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed)), the noise's; got "
-                            f"{type(key).__name__} (it is required even with noise_multiplier=0)")
+        if (cfg.noise_multiplier > 0 or clipped_sum_hook is not None) and not hasattr(key, "dtype"):
+            raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed)): the noise is drawn from it; got "
+                            f"{type(key).__name__}")
         plan, result, stats = _clip(losses_fn, cfg, params, batch, mask, thresholds=thresholds)
         divisor = cfg.expected_batch_size or plan.batch_size
         clipped_sum = result.clipped_sum
