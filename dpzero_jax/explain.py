@@ -29,12 +29,14 @@ class PlanReport:
     front_end: str
     mode: str
     rows: tuple[dict, ...]
+    misplaced: tuple[str, ...] = ()   # dpzero_jax layer calls sent to the program front-end, and why
 
     def table(self) -> str:
         columns = ("path", "rule", "method", "per_example_bytes", "group", "why")
         cells = [columns] + [tuple(str(row[c]) for c in columns) for row in self.rows]
         widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
         lines = [f"front end: {self.front_end}, mode: {self.mode}"]
+        lines += [f"  (a dpzero_jax layer call the layer tapes cannot compute: {note})" for note in self.misplaced]
         for k, line in enumerate(cells):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
             if k == 0:
@@ -127,6 +129,6 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
                 reason = booked.get(program_plan.group_of[row["path"]])
                 if reason:
                     row["why"] = "; ".join(filter(None, (row["why"], f"book-kept in the fused pass: {reason}")))
-        return PlanReport("program", mode, tuple(rows))
+        return PlanReport("program", mode, tuple(rows), plan.misplaced)
     cfg = engine.resolve_for_mode(requested, engine.choose_mode(cfg, plan).mode)
     return PlanReport("layers", cfg.mode, tuple(_layer_rows(plan, params, cfg)))

@@ -58,7 +58,11 @@ def setup(how: str, length: int) -> Setup:
 
 
 def front_end(s: Setup, **cfg) -> str:
-    return dz.explain_plan(s.loss_fn, dz.DPConfig(max_grad_norm=1.0, **cfg), s.params, s.batch).front_end
+    """The front-end ``explain_plan`` reports; its table names a misplaced call's reason."""
+    report = dz.explain_plan(s.loss_fn, dz.DPConfig(max_grad_norm=1.0, **cfg), s.params, s.batch)
+    assert bool(report.misplaced) == (report.front_end == "program")
+    assert all(f"cannot compute: {note}" in report.table() for note in report.misplaced)
+    return report.front_end
 
 
 @pytest.mark.parametrize("how, length", [("time-major", B), ("time-major", B + 2), ("checkpoint", 4),
