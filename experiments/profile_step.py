@@ -191,25 +191,26 @@ def profile_candidate(candidate, batch, key, steps: int, trace_dir: str) -> dict
             "profiled_seconds_per_step": sum(per_file.values())}
 
 
-def depth_workload(layers: int):
-    """``bench_depth.py``'s scanned decoder (flax.linen, ``nn.scan`` over ``layers`` blocks, width 64, T 64, B 4):
-    ``(title, params, loss_fn, batch, batch size)``."""
+def depth_workload(layers: int, batch_size: int | None = None, seq: int | None = None):
+    """``bench_depth.py``'s scanned decoder (flax.linen, ``nn.scan`` over ``layers`` blocks, width 64; by default
+    T 64, B 4): ``(title, params, loss_fn, batch, batch size)``."""
     import bench_depth
-    params, batch, loss_fn = bench_depth.setup(layers, scan=True)
-    title = (f"bench_depth decoder: {layers} scanned blocks, width {bench_depth.WIDTH}, T {bench_depth.SEQ}, "
-             f"B {bench_depth.BATCH}, vocab {bench_depth.VOCAB} (tied), float32")
-    return title, params, loss_fn, batch, bench_depth.BATCH
+    batch_size, seq = batch_size or bench_depth.BATCH, seq or bench_depth.SEQ
+    params, batch, loss_fn = bench_depth.setup(layers, scan=True, batch_size=batch_size, seq=seq)
+    title = (f"bench_depth decoder: {layers} scanned blocks, width {bench_depth.WIDTH}, T {seq}, "
+             f"B {batch_size}, vocab {bench_depth.VOCAB} (tied), float32")
+    return title, params, loss_fn, batch, batch_size
 
 
 def run(workload, names: list[str], steps: int, profile_steps: int, trace_root: str, norm_kernel: str,
-        depth: int | None = None) -> dict:
+        depth: int | None = None, depth_batch: int | None = None, depth_seq: int | None = None) -> dict:
     if depth is None:
         title, batch_size = workload.describe(), workload.batch_size
         params, loss_fn, batch = overhead.make_workload(workload)
         if workload.dtype != "float32":
             params = overhead.cast(params, jnp.dtype(workload.dtype))
     else:
-        title, params, loss_fn, batch, batch_size = depth_workload(depth)
+        title, params, loss_fn, batch, batch_size = depth_workload(depth, depth_batch, depth_seq)
     print(f"\n=== {title}", flush=True)
     optimizer = optax.adamw(1e-4)
     key = jax.random.key(42)
@@ -246,7 +247,8 @@ def run(workload, names: list[str], steps: int, profile_steps: int, trace_root: 
                      **candidate.result})
         candidate.state = candidate.compiled = None
     described = ({k: getattr(workload, k) for k in workload.__dataclass_fields__} if depth is None
-                 else {"depth": depth, "norm_method": workload.norm_method})
+                 else {"depth": depth, "batch": batch_size, "seq": batch["ids"].shape[1],
+                       "norm_method": workload.norm_method})
     return {"workload": described, "title": title, "candidates": rows}
 
 
@@ -285,6 +287,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workload", default="W3", help="a bench_overhead workload (W1, W2, W3) otherwise")
     parser.add_argument("--depth", type=int, default=None,
                         help="bench_depth.py's decoder scanned over this many blocks instead (issue 14's L = 48)")
+    parser.add_argument("--batch", type=int, default=None, help="with --depth: examples per step (default 4)")
+    parser.add_argument("--seq", type=int, default=None, help="with --depth: tokens per example (default 64)")
     parser.add_argument("--norm-method", default="auto", help="DPConfig.norm_method of every private candidate")
     parser.add_argument("--norm-kernel", default="auto", choices=("auto", "xla", "pallas"),
                         help="DPConfig.norm_kernel of every private candidate")
@@ -298,6 +302,8 @@ def main(argv=None) -> int:
     unknown = [m for m in names if m not in overhead.DP_CANDIDATES]
     if unknown:
         parser.error(f"unknown modes {unknown}; expected some of {overhead.DP_CANDIDATES}")
+    if (args.batch or args.seq) and args.depth is None:
+        parser.error("--batch and --seq set the --depth decoder's shape; give --depth too")
     if args.steps < 1 or args.profile_steps < 1:
         parser.error("--steps and --profile-steps must be >= 1")
     workload = (overhead.QUICK if args.quick else overhead.GPT2_SMALL if args.gpt2_small
@@ -311,11 +317,13 @@ def main(argv=None) -> int:
     print(f"backend={backend} device={jax.devices()[0].device_kind} jax={jax.__version__} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     trace_root = args.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
-    result = run(workload, names, args.steps, args.profile_steps, trace_root, args.norm_kernel, args.depth)
+    result = run(workload, names, args.steps, args.profile_steps, trace_root, args.norm_kernel, args.depth,
+                 args.batch, args.seq)
     result["norm_kernel"] = args.norm_kernel
     print_tables(result, args.top)
     suffix = ("_quick" if args.quick else "_gpt2small" if args.gpt2_small else
-              f"_depth{args.depth}" if args.depth else f"_{workload.name}")
+              f"_depth{args.depth}" + (f"_b{args.batch or 4}_t{args.seq or 64}" if args.batch or args.seq else "")
+              if args.depth else f"_{workload.name}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"profile_step_{backend}{suffix}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

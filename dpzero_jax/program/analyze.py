@@ -112,6 +112,8 @@ class Analysis:
     # value projections of one input), or whose output gradient is the same value (see :func:`_shared`)
     shared_records: dict = dataclasses.field(default_factory=dict)
     shared_gradient: dict = dataclasses.field(default_factory=dict)
+    # evaluate with per-example values' leading unit axis removed where program.unit_axis can (a CPU target)
+    squeeze_unit_axis: bool = False
 
     def mark_fallback(self, leaves, reason: str) -> None:
         for leaf in leaves:

@@ -23,15 +23,18 @@ import jax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from dpzero_jax.program import zero3
+from dpzero_jax.program import unit_axis, zero3
 from dpzero_jax.program.analyze import REMAT, Analysis, _sub_jaxpr
 
+INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})   # call primitives the unit-axis squeeze enters
 
-def bind(eqn, invals) -> list:
+
+def bind(eqn, invals, params: dict | None = None) -> list:
     """Apply one equation to values (what ``jax.core.eval_jaxpr`` does for it), under the equation's own source
     information: the user's traceback and name stack (e.g. ``Block_0/Dense_0``), so that the re-emitted operation's
-    XLA metadata -- and so profiles, HLO dumps and errors -- name the model's line, not the interpreter's."""
-    params = eqn.primitive.get_bind_params(eqn.params)
+    XLA metadata -- and so profiles, HLO dumps and errors -- name the model's line, not the interpreter's.
+    ``params``: other parameters than the equation's (:mod:`~dpzero_jax.program.unit_axis`)."""
+    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
@@ -42,9 +45,22 @@ def _under(probes: dict, path: tuple) -> dict:
     return {p: v for p, v in probes.items() if p[:len(path)] == path and len(p) > len(path)}
 
 
-def add_probe(site, invals, probe, records: dict) -> list:
-    """Book-keeping's handling of a site: its output plus the zero probe; its data operands recorded."""
-    (out,) = bind(site.eqn, invals)
+def bind_squeezing(eqn, invals, squeeze: bool) -> list:
+    """:func:`bind`, with ``squeeze`` computed on the operands without their leading unit axis where
+    :func:`~dpzero_jax.program.unit_axis.rule` applies (outputs given it back): a site's equation, whose operands
+    and output the handlers read whole, still differentiates as the plain equations around it."""
+    how = squeeze and unit_axis.rule(eqn)
+    if not how:
+        return bind(eqn, invals)
+    _, dropped, params = how
+    outs = bind(eqn, [unit_axis.drop(x, n) for x, n in zip(invals, dropped)], params)
+    return [unit_axis.restore(out, var.aval.shape) for out, var in zip(outs, eqn.outvars)]
+
+
+def add_probe(site, invals, probe, records: dict, squeeze: bool = False) -> list:
+    """Book-keeping's handling of a site: its output plus the zero probe; its data operands recorded. ``squeeze``:
+    the output computed as :func:`bind_squeezing` does."""
+    (out,) = bind_squeezing(site.eqn, invals, squeeze)
     # Behind a barrier, a record is the value the forward computed, kept as it is: without it XLA may fuse the
     # operand's producer (e.g. a GELU) into every consumer of the record -- the transposing copy that feeds the
     # clipped sum's contraction recomputed GPT-2's MLP activation from its input (W1 of the CPU overhead benchmark:
@@ -60,9 +76,19 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
     ``probes`` holds one input per site (a probe, a sink, a scale: whatever the handler takes), stacked over the
     iterations of the enclosing scans."""
     env = {}
+    squeezed = {}   # var -> (value, k): kept without its first k (unit) axes (unit_axis), made whole when read
 
     def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if v not in env:
+            env[v] = unit_axis.restore(squeezed[v][0], v.aval.shape)
+        return env[v]
+
+    def read_dropped(v, n: int):
+        if n and v in squeezed and squeezed[v][1] == n:
+            return squeezed[v][0]
+        return unit_axis.drop(read(v), n)
 
     for var, value in zip(jaxpr.constvars, consts):
         env[var] = value
@@ -70,6 +96,15 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
         env[var] = value
     for index, eqn in enumerate(jaxpr.eqns):
         here = path + (index,)
+        squeezing = (analysis.squeeze_unit_axis and here not in analysis.sites and here not in analysis.containers
+                     and unit_axis.rule(eqn))
+        if squeezing and not zero3.holds_deferred([env.get(v) for v in eqn.invars if not isinstance(v, jcore.Literal)]):
+            k, dropped, params = squeezing
+            invals = [read_dropped(v, n) for v, n in zip(eqn.invars, dropped)]
+            for var, value in zip(eqn.outvars, bind(eqn, invals, params)):
+                if not isinstance(var, jcore.DropVar):
+                    squeezed[var] = (value, k)
+            continue
         invals = [read(v) for v in eqn.invars]
         site = analysis.sites.get(here)
         sharded = zero3.holds_deferred(invals) or (site is not None and zero3.holds_deferred(probes[here]))
@@ -86,6 +121,10 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
                 outs = handler(site, invals, probes[here], records)
         elif here in analysis.containers:
             outs = _enter(eqn, invals, analysis, _under(probes, here), records, here, handler)
+        elif analysis.squeeze_unit_axis and eqn.primitive.name in INLINED and not sharded:
+            # a jit without sites (log_softmax, an attention function): inlined, so its equations are squeezed too
+            sub, consts = _sub_jaxpr(eqn)
+            outs = run(sub, consts, invals, analysis, {}, records, here, handler)
         elif sharded:
             outs = zero3.defer(eqn, invals, bind) or zero3.at_use(functools.partial(bind, eqn), invals)
         else:
