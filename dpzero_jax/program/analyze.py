@@ -93,6 +93,7 @@ class Site:
     recorded: tuple[int, ...]
     lengths: tuple[int, ...]
     constant: bool = False   # no data enters it (a lookup at constant indices): its output is the same per example
+    squeeze: bool = False    # its equation computed without the leading unit axes (program.unit_axis; a CPU target)
 
     @property
     def out_aval(self):

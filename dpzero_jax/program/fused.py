@@ -70,7 +70,7 @@ from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program import zero3
 from dpzero_jax.program.ghost import squared_norm
-from dpzero_jax.program.interpret import bind, run
+from dpzero_jax.program.interpret import bind_squeezing, run
 
 
 def local_groups(plan) -> tuple[dict, dict, dict]:
@@ -151,7 +151,7 @@ def _book(site, invals, probe, records: dict, shared: bool = False) -> list:
     the same operands (``Analysis.shared_records``): nothing recorded here."""
     values = list(invals)
     values[site.param_operand] = jax.lax.stop_gradient(values[site.param_operand])
-    (out,) = bind(site.eqn, values)
+    (out,) = bind_squeezing(site.eqn, values, site.squeeze)
     if not shared:
         records[site.path] = [invals[i] for i in site.recorded]
     return [out + probe.astype(out.dtype)]

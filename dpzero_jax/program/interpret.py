@@ -57,10 +57,9 @@ def bind_squeezing(eqn, invals, squeeze: bool) -> list:
     return [unit_axis.restore(out, var.aval.shape) for out, var in zip(outs, eqn.outvars)]
 
 
-def add_probe(site, invals, probe, records: dict, squeeze: bool = False) -> list:
-    """Book-keeping's handling of a site: its output plus the zero probe; its data operands recorded. ``squeeze``:
-    the output computed as :func:`bind_squeezing` does."""
-    (out,) = bind_squeezing(site.eqn, invals, squeeze)
+def add_probe(site, invals, probe, records: dict) -> list:
+    """Book-keeping's handling of a site: its output plus the zero probe; its data operands recorded."""
+    (out,) = bind_squeezing(site.eqn, invals, site.squeeze)
     # Behind a barrier, a record is the value the forward computed, kept as it is: without it XLA may fuse the
     # operand's producer (e.g. a GELU) into every consumer of the record -- the transposing copy that feeds the
     # clipped sum's contraction recomputed GPT-2's MLP activation from its input (W1 of the CPU overhead benchmark:

@@ -70,7 +70,9 @@ def _single_example(loss_fn, treedef, example_treedef):
 def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> ProgramPlan:
     """Trace the single-example loss and find where each trainable leaf meets the example (see module doc)."""
     closed, analysis = trace(loss_fn, params, batch)
-    analysis.squeeze_unit_axis = (cfg.target or jax.default_backend()) == "cpu"
+    if (cfg.target or jax.default_backend()) == "cpu":   # XLA:CPU's slow fusions on unit axes (program.unit_axis)
+        analysis.squeeze_unit_axis = True
+        analysis.sites = {path: dataclasses.replace(site, squeeze=True) for path, site in analysis.sites.items()}
     order = sorted(analysis.sites.values(), key=lambda s: s.path)
     layer_order = [clipping.parent(paths[s.view.leaf]) for s in order]
     layer_order += [clipping.parent(paths[i]) for i in sorted(analysis.fallback)]
@@ -178,7 +180,7 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
                 values[i] = v
             records: dict = {}
             (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, probes, records,
-                          handler=functools.partial(_probe_once, analysis.shared_records, analysis.squeeze_unit_axis))
+                          handler=functools.partial(_probe_once, analysis.shared_records))
             return loss, records
 
         loss, pullback, records = jax.vjp(forward, probes, fallback_whole, has_aux=True)
@@ -212,10 +214,10 @@ def share(records: dict, probe_ct: dict, shared_records: dict, shared_gradient: 
         probe_ct[path] = probe_ct[source]
 
 
-def _probe_once(shared_records: dict, squeeze: bool, site, invals, probe, records: dict) -> list:
+def _probe_once(shared_records: dict, site, invals, probe, records: dict) -> list:
     """Book-keeping's handling of a site (:func:`~dpzero_jax.program.interpret.add_probe`), recording nothing for a
     site whose operands an earlier site of its sub-program records (``shared_records``)."""
-    return add_probe(site, invals, probe, {} if site.path in shared_records else records, squeeze)
+    return add_probe(site, invals, probe, {} if site.path in shared_records else records)
 
 
 def example_axes(plan: ProgramPlan) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 
 from dpzero_jax.program import conv
 from dpzero_jax.program.analyze import Site
-from dpzero_jax.program.interpret import bind
+from dpzero_jax.program.interpret import bind, bind_squeezing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +353,7 @@ def apply_site(site: Site, w, ops):
             k += 1
         else:
             values.append(var.val)
-    return bind(site.eqn, values)[0]
+    return bind_squeezing(site.eqn, values, site.squeeze)[0]
 
 
 def local_grad(site: Site, operands, g, leaf, example_axis: int = 0):
