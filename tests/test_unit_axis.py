@@ -127,3 +127,14 @@ def test_only_a_cpu_target_squeezes():
         analysis = mode.plan_program(loss_fn, cfg, params, batch, ["w"], 2).analysis
         assert analysis.squeeze_unit_axis is expected
         assert [site.squeeze for site in analysis.sites.values()] == [expected]
+
+
+def test_only_jits_without_shardings_of_their_own_are_inlined():
+    plain = jax.jit(jnp.tanh)
+    pinned = jax.jit(jnp.tanh, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    x = jnp.ones((1, T, D))
+    calls = [jax.make_jaxpr(f)(x).jaxpr.eqns[0] for f in (plain, pinned)]
+    assert [interpret._inlinable(eqn) for eqn in calls] == [True, False]
+    # the pinned jit is bound as it is; both give the same values squeezed
+    closed = jax.make_jaxpr(lambda x: pinned(plain(x) * 2.0))(x)
+    np.testing.assert_array_equal(np.asarray(_run(closed, (x,), True)[0]), np.asarray(_run(closed, (x,), False)[0]))

@@ -120,7 +120,7 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
                 outs = handler(site, invals, probes[here], records)
         elif here in analysis.containers:
             outs = _enter(eqn, invals, analysis, _under(probes, here), records, here, handler)
-        elif analysis.squeeze_unit_axis and eqn.primitive.name in INLINED and not sharded:
+        elif analysis.squeeze_unit_axis and _inlinable(eqn) and not sharded:
             # a jit without sites (log_softmax, an attention function): inlined, so its equations are squeezed too
             sub, consts = _sub_jaxpr(eqn)
             outs = run(sub, consts, invals, analysis, {}, records, here, handler)
@@ -132,6 +132,18 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
             if not isinstance(var, jcore.DropVar):
                 env[var] = value
     return [zero3.materialise(read(v)) for v in jaxpr.outvars]
+
+
+def _inlinable(eqn) -> bool:
+    """A call without shardings or layouts of its own (a ``jax.jit`` that fixes them is left a jit: inlined, its
+    partitioning would be the caller's)."""
+    if eqn.primitive.name not in INLINED:
+        return False
+    params = eqn.params
+    shardings = tuple(params.get("in_shardings", ())) + tuple(params.get("out_shardings", ()))
+    layouts = tuple(params.get("in_layouts", ())) + tuple(params.get("out_layouts", ()))
+    return (all(type(s).__name__ == "UnspecifiedValue" for s in shardings)   # jax's marker for "not given"
+            and all(layout is None for layout in layouts))
 
 
 def _handled(handler, site, state: dict | None):
