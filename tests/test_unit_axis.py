@@ -59,6 +59,7 @@ def test_squeezed_program_computes_the_same_values_and_gradients():
 @pytest.mark.parametrize("name, shape, params, expected", [
     ("reduce_sum", (1, 1, 4, 5), {"axes": (3,)}, (2, {"axes": (1,)})),
     ("reduce_sum", (1, 4, 5), {"axes": (0, 2)}, None),           # reduces the unit axis itself: left alone
+    ("reduce_sum", (1, 4, 5), {"axes": ()}, None),               # reduces nothing
     ("transpose", (1, 4, 5), {"permutation": (0, 2, 1)}, (1, {"permutation": (1, 0)})),
     ("transpose", (1, 1, 4), {"permutation": (1, 2, 0)}, None),
 ])

@@ -59,6 +59,8 @@ def rule(eqn):
         return (k, tuple(k if len(s) == len(out) else 0 for s in shapes), params) if k else None
     if name in REDUCTIONS:
         axes = tuple(int(a) for a in params["axes"])
+        if not axes:   # reduces nothing (jnp.sum(x, axis=())): bound as it is
+            return None
         k = min([leading_units(shapes[0]), min(axes)] + ([leading_units(out)] if out else [0]))
         if not k:
             return None
