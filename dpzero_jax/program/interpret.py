@@ -24,9 +24,9 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 from dpzero_jax.program import unit_axis, zero3
-from dpzero_jax.program.analyze import REMAT, Analysis, _sub_jaxpr
+from dpzero_jax.program.analyze import CALLS, REMAT, Analysis, _sub_jaxpr
 
-INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})   # call primitives the unit-axis squeeze enters
+INLINED = CALLS - REMAT   # the call primitives (jit, closed_call) the unit-axis squeeze enters where they hold no site
 
 
 def bind(eqn, invals, params: dict | None = None) -> list:
