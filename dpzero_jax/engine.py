@@ -43,9 +43,11 @@ from dpzero_jax.layer_plan import (  # noqa: F401  (DPStats, Plan, make_plan, ..
     _Clipped,
     _leaf_ids,
     _microbatches,
+    check_inputs,
     leaf_paths,
     make_plan,
     misplaced_note,
+    used_inputs,
     whole_shapes,
 )
 from dpzero_jax.modes.bk import _bk, bk_forward  # noqa: F401  (bk_forward: re-exported)
@@ -214,22 +216,50 @@ def _with_thresholds(plan, thresholds):
 def _plan_and_run(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None, thresholds=None):
     """Plan with the configured front-end and run the mode: ``(plan, concrete config, clipped result)``.
     ``thresholds``: ``[M]`` group thresholds replacing the plan's (see :func:`_with_thresholds`)."""
+    from dpzero_jax.program import mode as program_mode
+
     requested, cfg = cfg, resolve_target(cfg)
     plan_params = params if layout is None else whole_shapes(params, layout)
-    plan = _with_thresholds(make_plan(loss_fn, cfg, plan_params, batch, require_supported=False), thresholds)
-    mask = _check_mask(mask, plan.batch_size)
-    if _front_end(cfg, plan, layout) == "program":
-        from dpzero_jax.program import mode as program_mode
+    program_plan, settled = _program_plan_first(loss_fn, cfg, plan_params, batch)
+    if not settled:
+        plan = _with_thresholds(make_plan(loss_fn, cfg, plan_params, batch, require_supported=False), thresholds)
+        if _front_end(cfg, plan, layout) == "layers":
+            mask = _check_mask(mask, plan.batch_size)
+            concrete = resolve_for_mode(requested, choose_mode(cfg, plan).mode)
+            return plan, concrete, MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
+        if program_plan is None:
+            program_plan = program_mode.plan_program(loss_fn, cfg, plan_params, batch, plan.paths, plan.batch_size)
+    mask = _check_mask(mask, program_plan.batch_size)
+    if thresholds is not None and program_plan.iterations:
+        raise ValueError("thresholds given at call time (adaptive clipping) are not supported with "
+                         "DPConfig.scan_groups='per-iteration'")
+    program_plan = _with_thresholds(program_plan, thresholds)
+    concrete = resolve_for_mode(requested, program_mode.concrete_mode(cfg, program_plan))
+    return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask, layout)
 
-        program_plan = program_mode.plan_program(loss_fn, cfg, plan_params, batch, plan.paths, plan.batch_size)
-        if thresholds is not None and program_plan.iterations:
-            raise ValueError("thresholds given at call time (adaptive clipping) are not supported with "
-                             "DPConfig.scan_groups='per-iteration'")
-        program_plan = _with_thresholds(program_plan, thresholds)
-        concrete = resolve_for_mode(requested, program_mode.concrete_mode(cfg, program_plan))
-        return program_plan, concrete, _program_clip(concrete, program_plan, params, batch, mask, layout)
-    concrete = resolve_for_mode(requested, choose_mode(cfg, plan).mode)
-    return plan, concrete, MODES[concrete.mode](loss_fn, concrete, plan, params, batch, mask, layout=layout)
+
+def _program_plan_first(loss_fn: Callable, cfg: DPConfig, params, batch):
+    """``(program front-end plan or None, settled)``: where the program front-end may compute this config, its plan
+    (one trace of the single-example loss), and whether that trace alone settles the front-end -- with
+    ``front_end="program"``, per-iteration scan groups, or ``"auto"`` when no ``dpzero_jax`` layer is called and
+    some parameter is used (each used leaf is then outside the layers: :func:`_front_end` would pick the program).
+    Otherwise :func:`~dpzero_jax.layer_plan.make_plan` traces the loss for the layer tapes and :func:`_front_end`
+    decides. Planning a standard model so traces its loss once instead of twice (the first trace of a loss in a
+    process costs about what tracing the non-private step does)."""
+    if cfg.mode == "vmap" or cfg.front_end == "layers" or (
+            cfg.scan_groups == "per-iteration" and cfg.mode not in ("fused", "auto")):   # _front_end refuses it
+        return None, False
+    from dpzero_jax.program import mode as program_mode
+
+    paths, batch_size = check_inputs(params, batch)
+    if cfg.front_end == "program" or cfg.scan_groups == "per-iteration":
+        return program_mode.plan_program(loss_fn, cfg, params, batch, paths, batch_size), True
+    try:
+        program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, paths, batch_size)
+    except Exception:   # noqa: BLE001 -- e.g. a loss that only traces on the whole batch: the layer tapes may take it
+        return None, False   # (if the program front-end is chosen after all, its second trace raises the error)
+    used = used_inputs(program_plan.closed)[:len(paths)]
+    return program_plan, program_plan.layer_calls == 0 and any(used)
 
 
 def _clip(loss_fn: Callable, cfg: DPConfig, params, batch, mask, layout=None,

@@ -101,7 +101,7 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
 
 
-def _used_inputs(closed_jaxpr) -> list[bool]:
+def used_inputs(closed_jaxpr) -> list[bool]:
     from jax._src.interpreters import partial_eval as pe  # no public API for dead-code elimination
 
     _, used = pe.dce_jaxpr(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))
@@ -154,7 +154,7 @@ def _discover(fn: Callable, params, *args):
     leaves, treedef = jax.tree.flatten(params)
     paths = leaf_paths(params)
     closed, records = _trace_discovery(fn, treedef, paths, leaves, args)
-    used = _used_inputs(closed)[:len(leaves)]
+    used = used_inputs(closed)[:len(leaves)]
     why = _misplaced_calls(fn, treedef, paths, leaves, args, records)
     misplaced = {r.index: f"{r.rule.name} layer call on {[path for _, path in r.param_paths]}: {why[r.index]}"
                  for r in records if r.index in why}
@@ -208,8 +208,9 @@ def used_outside_layers(fn: Callable, params, *args) -> list[str]:
     return [path for path, u in zip(leaf_paths(params), used) if u]
 
 
-def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_supported: bool = True) -> Plan:
-    """Trace ``loss_fn`` abstractly once and plan the private gradient (see the module docstring)."""
+def check_inputs(params, batch) -> tuple[list[str], int]:
+    """``(leaf paths of params, batch size)``; refuses non-floating trainable leaves, an empty ``params`` and an empty
+    or ragged batch, each with a message that names it."""
     leaves = jax.tree.leaves(params)
     paths = leaf_paths(params)
     for path, leaf in zip(paths, leaves):
@@ -223,15 +224,29 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
     if batch_size == 0:
         raise ValueError("the batch is empty (0 examples); a sampled batch that may be empty is padded to a fixed "
                          "size and its padding excluded with mask")
-    closed, records, used, misplaced = _discover(loss_fn, params, batch)
-    out = closed.out_avals
-    if len(out) != 1 or out[0].shape != (batch_size,):
+    return paths, batch_size
+
+
+def check_losses(out_avals, batch_size: int, traced_size: int | None = None) -> None:
+    """Refuses a loss that does not return floating-point per-example losses ``[B]``: ``out_avals`` of the loss
+    traced on ``traced_size`` examples (default: the batch's ``batch_size``; the program front-end traces one)."""
+    traced_size = batch_size if traced_size is None else traced_size
+    if len(out_avals) != 1 or tuple(out_avals[0].shape) != (traced_size,):
+        on = "" if traced_size == batch_size else f" for a batch of {traced_size}"
         raise ValueError(f"loss_fn must return per-example losses of shape [B] = ({batch_size},); got "
-                         f"{[tuple(a.shape) for a in out]}"
-                         f"{' (for (losses, aux) pass has_aux=True)' if len(out) > 1 else ''}")
-    if not jnp.issubdtype(out[0].dtype, jnp.floating):
-        raise TypeError(f"loss_fn must return floating-point per-example losses; got dtype {out[0].dtype} (an "
+                         f"{[tuple(a.shape) for a in out_avals]}{on}"
+                         f"{' (for (losses, aux) pass has_aux=True)' if len(out_avals) > 1 else ''}")
+    if not jnp.issubdtype(out_avals[0].dtype, jnp.floating):
+        raise TypeError(f"loss_fn must return floating-point per-example losses; got dtype {out_avals[0].dtype} (an "
                         "integer loss has no gradient)")
+
+
+def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_supported: bool = True) -> Plan:
+    """Trace ``loss_fn`` abstractly once and plan the private gradient (see the module docstring)."""
+    paths, batch_size = check_inputs(params, batch)
+    leaves = jax.tree.leaves(params)
+    closed, records, used, misplaced = _discover(loss_fn, params, batch)
+    check_losses(closed.out_avals, batch_size)
     outside = [path for path, u in zip(paths, used) if u]
     if require_supported and outside:
         raise UnsupportedParameterError(

@@ -271,12 +271,17 @@ class ProgramTape:
     """The tape of the traced-program front-end's trace (:func:`dpzero_jax.program.mode.plan_program`): each DP
     layer call becomes ``rule.program_apply`` -- ordinary JAX whose autodiff is the rule's per-example gradient.
     Equal to ``rule.apply`` except where the rule's gradient is not the derivative of its forward (an RMM layer:
-    exact output, sketched weight gradient; :meth:`dpzero_jax.rules.rmm.RMMLinearRule.program_apply`). Keeps
-    nothing and knows no leaves: the front-end finds them in the jaxpr."""
+    exact output, sketched weight gradient; :meth:`dpzero_jax.rules.rmm.RMMLinearRule.program_apply`). Knows no
+    leaves (the front-end finds them in the jaxpr) and keeps only the number of ``calls``: with none, the engine
+    knows the layer tapes have nothing to compute and does not trace the loss for them."""
 
     layout = None
 
+    def __init__(self):
+        self.calls = 0
+
     def call(self, rule, spec, params, x):
+        self.calls += 1
         return rule.program_apply(params, x, spec)
 
 

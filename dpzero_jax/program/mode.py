@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpzero_jax import clipping, pergrad, spmd
+from dpzero_jax import clipping, layer_plan, pergrad, spmd
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.program import conv, zero3
 from dpzero_jax.program import sites as sites_lib
@@ -54,22 +54,24 @@ class ProgramPlan:
     # iteration; its groups are numbered first + the iteration's index (row-major over the lengths), and group_of
     # maps each of its leaves to the first
     iterations: dict = dataclasses.field(default_factory=dict)
+    layer_calls: int = 0            # calls of dpzero_jax layers (any tape-aware layer) in the traced program
 
     def sites_of(self, leaf: int) -> list:
         return [s for s in self.analysis.sites.values() if s.view.leaf == leaf]
 
 
-def _single_example(loss_fn, treedef, example_treedef):
+def _single_example(loss_fn, treedef, example_treedef, batch_size):
     def loss_one(leaves, example_leaves):
         example = jax.tree.unflatten(example_treedef, example_leaves)
         losses = loss_fn(jax.tree.unflatten(treedef, leaves), jax.tree.map(lambda x: x[None], example))
+        layer_plan.check_losses([jax.typeof(x) for x in jax.tree.leaves(losses)], batch_size or 1, 1)
         return losses[0]
     return loss_one
 
 
 def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> ProgramPlan:
     """Trace the single-example loss and find where each trainable leaf meets the example (see module doc)."""
-    closed, analysis = trace(loss_fn, params, batch)
+    closed, analysis, layer_calls = trace(loss_fn, params, batch, batch_size=batch_size, count_layer_calls=True)
     if (cfg.target or jax.default_backend()) == "cpu":   # XLA:CPU's slow fusions on unit axes (program.unit_axis)
         analysis.squeeze_unit_axis = True
         analysis.sites = {path: dataclasses.replace(site, squeeze=True) for path, site in analysis.sites.items()}
@@ -82,17 +84,21 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
         group_of, group_names, iterations = split_per_iteration(analysis, paths, group_of, group_names)
     thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)
     return ProgramPlan(tuple(paths), closed, analysis, group_of, group_names, tuple(float(t) for t in thresholds),
-                       batch_size, iterations=iterations)
+                       batch_size, iterations=iterations, layer_calls=layer_calls)
 
 
-def trace(loss_fn, params, batch):
-    """``(closed jaxpr of the single-example loss, its analysis)``; ``params`` may be ``ShapeDtypeStruct``."""
+def trace(loss_fn, params, batch, *, batch_size: int | None = None, count_layer_calls: bool = False):
+    """``(closed jaxpr of the single-example loss, its analysis)``, and the number of ``dpzero_jax`` layer calls in
+    it last with ``count_layer_calls``; ``params`` may be ``ShapeDtypeStruct``. A loss that does not return
+    floating-point per-example losses is refused (``batch_size``: the batch's, for the message)."""
     leaves, treedef = jax.tree.flatten(params)
     example_leaves, example_treedef = jax.tree.flatten(batch)
     abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
     abstract_example = [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in example_leaves]
-    with tape_lib.active(tape_lib.ProgramTape()):   # DP layers as their rules' program form (an RMM estimate)
-        closed = jax.make_jaxpr(_single_example(loss_fn, treedef, example_treedef))(abstract, abstract_example)
+    program_tape = tape_lib.ProgramTape()
+    with tape_lib.active(program_tape):   # DP layers as their rules' program form (an RMM estimate)
+        closed = jax.make_jaxpr(_single_example(loss_fn, treedef, example_treedef, batch_size))(
+            abstract, abstract_example)
     analysis = Analysis()
     kinds = [View(i) for i in range(len(leaves))] + [DATA] * len(example_leaves)
     outs = analyze(closed.jaxpr, kinds, analysis)
@@ -103,7 +109,7 @@ def trace(loss_fn, params, batch):
         if not jnp.issubdtype(site.out_aval.dtype, jnp.inexact):
             analysis.mark_fallback({site.view.leaf}, f"used by '{site.eqn.primitive.name}' with an integer result")
     analysis.finish()
-    return closed, analysis
+    return (closed, analysis, program_tape.calls) if count_layer_calls else (closed, analysis)
 
 
 def split_per_iteration(analysis: Analysis, paths, group_of: dict, group_names: tuple):
