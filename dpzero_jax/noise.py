@@ -284,11 +284,16 @@ def _noise_loop(flats, indices, root, block: int, group_size: int, std, expected
     owner = np.repeat(np.arange(len(flats)), n_blocks)
     groups = [list(range(lo, min(lo + group_size, len(flats)))) for lo in range(0, len(flats), group_size)]
     # per block (int32 constants, read in the loop): its leaf's index (its key), its first position in the leaf, its
-    # vector's group and place in the group
-    per_block = jnp.asarray(np.stack([np.repeat(np.asarray(indices), n_blocks),
-                                      np.concatenate([np.arange(n) * block for n in n_blocks]),
-                                      owner // group_size, owner % group_size], axis=1).astype(np.int32))
+    # vector's group and place in the group -- four vectors, so that reading any of them is one kernel for XLA:CPU
+    per_block = [jnp.asarray(column.astype(np.int32)) for column in (
+        np.repeat(np.asarray(indices), n_blocks), np.concatenate([np.arange(n) * block for n in n_blocks]),
+        owner // group_size, owner % group_size)]
     lax = jax.lax
+    # the int32 scalars the loop compares with (group numbers, the start of each vector's last partial block), as
+    # values XLA cannot fold into the comparisons: every comparison is then the same kernel (XLA:CPU compiles one per
+    # distinct computation, ~5-10 ms each, and a constant operand made each group's predicate distinct)
+    opaque = _opaque_int32([*range(len(groups)), *((flat.size // block) * block for flat in flats)])
+    group_number, tail_start = opaque[:len(groups)], opaque[len(groups):]
     if packed:   # per position of the packed vector (constants): which of its leaves, and where in that leaf
         padded = n_blocks[-1] * block
         leaf_of = np.repeat(np.arange(len(packed)), [n for _, n in packed])
@@ -318,7 +323,7 @@ def _noise_loop(flats, indices, root, block: int, group_size: int, std, expected
     def noised(current, normal):   # (current + std * normal) / expected_batch_size, in float32
         return lax.div(lax.add(current, lax.mul(std, normal)), divisor)
 
-    def updater(size: int):
+    def updater(size: int, tail_at):
         full, tail = divmod(size, block)
 
         def full_block(flat, start, normal):
@@ -332,10 +337,10 @@ def _noise_loop(flats, indices, root, block: int, group_size: int, std, expected
             return full_block
         if not full:
             return last_block
-        return lambda flat, start, normal: lax.cond(lax.lt(start, np.int32(full * block)), full_block, last_block,
-                                                    flat, start, normal)
+        return lambda flat, start, normal: lax.cond(lax.lt(start, tail_at), full_block, last_block, flat, start,
+                                                    normal)
 
-    updaters = [updater(flat.size) for flat in flats]
+    updaters = [updater(flat.size, tail_at) for flat, tail_at in zip(flats, tail_start)]
 
     def group_update(members):
         if len(members) == 1:
@@ -350,12 +355,12 @@ def _noise_loop(flats, indices, root, block: int, group_size: int, std, expected
     updates = [group_update(members) for members in groups]
 
     def noise_block(step, flats):
-        row = lax.dynamic_index_in_dim(per_block, step, 0, keepdims=False)
-        leaf, start, group_of_block, member = (lax.index_in_dim(row, i, 0, keepdims=False) for i in range(4))
+        leaf, start, group_of_block, member = (lax.dynamic_index_in_dim(column, step, 0, keepdims=False)
+                                               for column in per_block)
         if packed and len(flats) == 1:   # every block is the packed vector's: one generator, no cond
             normal = packed_normal(start, leaf)
         elif packed:
-            normal = lax.cond(lax.eq(group_of_block, np.int32(len(groups) - 1)), packed_normal, block_normal,
+            normal = lax.cond(lax.eq(group_of_block, group_number[-1]), packed_normal, block_normal,
                               start, leaf)
         else:
             normal = block_normal(start, leaf)
@@ -365,10 +370,16 @@ def _noise_loop(flats, indices, root, block: int, group_size: int, std, expected
             if len(groups) == 1:
                 out += update(member, group, start, normal)
             else:
-                out += lax.cond(lax.eq(group_of_block, np.int32(g)), update, _unchanged, member, group, start, normal)
+                out += lax.cond(lax.eq(group_of_block, group_number[g]), update, _unchanged, member, group, start,
+                                normal)
         return tuple(out)
 
     return jax.lax.fori_loop(0, int(sum(n_blocks)), noise_block, tuple(flats))
+
+
+def _opaque_int32(values) -> list[jax.Array]:
+    """int32 scalars equal to ``values`` that XLA does not constant-fold (an optimisation barrier)."""
+    return list(jax.lax.optimization_barrier(tuple(jnp.int32(v) for v in values)))
 
 
 def _unchanged(member, group, start, normal):
