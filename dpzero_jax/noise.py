@@ -385,7 +385,9 @@ def _noise_loop(flats, indices, root, block: int, group_size: int, std, expected
 
 
 def _opaque_int32(values) -> list[jax.Array]:
-    """int32 scalars equal to ``values`` that XLA does not constant-fold (an optimisation barrier)."""
+    """int32 scalars equal to ``values`` behind an optimisation barrier, for the noise loop's body: read there, they
+    reach XLA:CPU's kernels as loop parameters, not folded constants (outside a loop XLA folds a barrier's constants
+    all the same)."""
     return list(jax.lax.optimization_barrier(tuple(jnp.int32(v) for v in values)))
 
 

@@ -60,11 +60,11 @@ class ProgramPlan:
         return [s for s in self.analysis.sites.values() if s.view.leaf == leaf]
 
 
-def _single_example(loss_fn, treedef, example_treedef, batch_size):
+def _single_example(loss_fn, treedef, example_treedef, batch_size: int):
     def loss_one(leaves, example_leaves):
         example = jax.tree.unflatten(example_treedef, example_leaves)
         losses = loss_fn(jax.tree.unflatten(treedef, leaves), jax.tree.map(lambda x: x[None], example))
-        layer_plan.check_losses([jax.typeof(x) for x in jax.tree.leaves(losses)], batch_size or 1, 1)
+        layer_plan.check_losses([jax.typeof(x) for x in jax.tree.leaves(losses)], batch_size, 1)
         return losses[0]
     return loss_one
 
@@ -90,11 +90,14 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
 def trace(loss_fn, params, batch, *, batch_size: int | None = None, count_layer_calls: bool = False):
     """``(closed jaxpr of the single-example loss, its analysis)``, and the number of ``dpzero_jax`` layer calls in
     it last with ``count_layer_calls``; ``params`` may be ``ShapeDtypeStruct``. A loss that does not return
-    floating-point per-example losses is refused (``batch_size``: the batch's, for the message)."""
+    floating-point per-example losses is refused (``batch_size``, for the message: the batch's, by default its
+    leading axis)."""
     leaves, treedef = jax.tree.flatten(params)
     example_leaves, example_treedef = jax.tree.flatten(batch)
     abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
     abstract_example = [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in example_leaves]
+    if batch_size is None:
+        batch_size = np.shape(example_leaves[0])[0] if example_leaves else 1
     program_tape = tape_lib.ProgramTape()
     with tape_lib.active(program_tape):   # DP layers as their rules' program form (an RMM estimate)
         closed = jax.make_jaxpr(_single_example(loss_fn, treedef, example_treedef, batch_size))(
