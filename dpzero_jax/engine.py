@@ -144,19 +144,28 @@ def _check_mask(mask, batch_size):
     return mask.astype(bool)
 
 
-def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
-    """``"layers"`` or ``"program"`` for this config and plan; refuses what the program front-end cannot do."""
+def _configured_front_end(cfg: DPConfig) -> str:
+    """``"vmap"`` (the layers front-end's reference mode, any model), ``"layers"``, ``"program"`` or ``"auto"`` (the
+    plan decides) from the config alone; refuses per-iteration scan groups with a mode or front-end that cannot
+    compute them."""
     if cfg.scan_groups == "per-iteration" and cfg.mode not in ("fused", "auto"):
         raise ValueError(f"DPConfig.scan_groups='per-iteration' is computed by mode='fused' (or 'auto'), not "
                          f"mode={cfg.mode!r}")
     if cfg.mode == "vmap":
-        return "layers"  # differentiates the loss itself: any model
-    wanted = cfg.front_end
+        return "vmap"
     if cfg.scan_groups == "per-iteration":
-        if wanted == "layers":
+        if cfg.front_end == "layers":
             raise ValueError("DPConfig.scan_groups='per-iteration' splits the groups of scanned, stacked parameters; "
                              "it needs the traced-program front-end (front_end='auto' or 'program')")
-        wanted = "program"
+        return "program"
+    return cfg.front_end
+
+
+def _front_end(cfg: DPConfig, plan: Plan, layout) -> str:
+    """``"layers"`` or ``"program"`` for this config and plan; refuses what the program front-end cannot do."""
+    wanted = _configured_front_end(cfg)
+    if wanted == "vmap":
+        return "layers"  # differentiates the loss itself: any model
     if wanted == "auto":
         wanted = "program" if plan.outside else "layers"
     if wanted == "layers":
@@ -246,13 +255,13 @@ def _program_plan_first(loss_fn: Callable, cfg: DPConfig, params, batch):
     Otherwise :func:`~dpzero_jax.layer_plan.make_plan` traces the loss for the layer tapes and :func:`_front_end`
     decides. Planning a standard model so traces its loss once instead of twice (the first trace of a loss in a
     process costs about what tracing the non-private step does)."""
-    if cfg.mode == "vmap" or cfg.front_end == "layers" or (
-            cfg.scan_groups == "per-iteration" and cfg.mode not in ("fused", "auto")):   # _front_end refuses it
+    wanted = _configured_front_end(cfg)
+    if wanted in ("vmap", "layers"):
         return None, False
     from dpzero_jax.program import mode as program_mode
 
     paths, batch_size = check_inputs(params, batch)
-    if cfg.front_end == "program" or cfg.scan_groups == "per-iteration":
+    if wanted == "program":
         return program_mode.plan_program(loss_fn, cfg, params, batch, paths, batch_size), True
     try:
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, paths, batch_size)

@@ -22,7 +22,7 @@ def mean_gradient_sum(loss_fn, params, batch, mask, layout):
     reduce-scattered to its owner by autodiff of the gather; ``params`` are this device's shards."""
     paths = leaf_paths(params)
     leaves, treedef = jax.tree.flatten(params)
-    closed, analysis = trace(loss_fn, whole_shapes(params, layout), batch)
+    closed, analysis, _ = trace(loss_fn, whole_shapes(params, layout), batch)
     site_inputs = {path: None for path in analysis.sites}
 
     def plain(site, invals, _, records):

@@ -71,7 +71,7 @@ def _single_example(loss_fn, treedef, example_treedef, batch_size: int):
 
 def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> ProgramPlan:
     """Trace the single-example loss and find where each trainable leaf meets the example (see module doc)."""
-    closed, analysis, layer_calls = trace(loss_fn, params, batch, batch_size=batch_size, count_layer_calls=True)
+    closed, analysis, layer_calls = trace(loss_fn, params, batch, batch_size=batch_size)
     if (cfg.target or jax.default_backend()) == "cpu":   # XLA:CPU's slow fusions on unit axes (program.unit_axis)
         analysis.squeeze_unit_axis = True
         analysis.sites = {path: dataclasses.replace(site, squeeze=True) for path, site in analysis.sites.items()}
@@ -87,9 +87,9 @@ def plan_program(loss_fn, cfg, params, batch, paths, batch_size: int) -> Program
                        batch_size, iterations=iterations, layer_calls=layer_calls)
 
 
-def trace(loss_fn, params, batch, *, batch_size: int | None = None, count_layer_calls: bool = False):
-    """``(closed jaxpr of the single-example loss, its analysis)``, and the number of ``dpzero_jax`` layer calls in
-    it last with ``count_layer_calls``; ``params`` may be ``ShapeDtypeStruct``. A loss that does not return
+def trace(loss_fn, params, batch, *, batch_size: int | None = None):
+    """``(closed jaxpr of the single-example loss, its analysis, the number of dpzero_jax layer calls in it)``;
+    ``params`` may be ``ShapeDtypeStruct``. A loss that does not return
     floating-point per-example losses is refused (``batch_size``, for the message: the batch's, by default its
     leading axis)."""
     leaves, treedef = jax.tree.flatten(params)
@@ -112,7 +112,7 @@ def trace(loss_fn, params, batch, *, batch_size: int | None = None, count_layer_
         if not jnp.issubdtype(site.out_aval.dtype, jnp.inexact):
             analysis.mark_fallback({site.view.leaf}, f"used by '{site.eqn.primitive.name}' with an integer result")
     analysis.finish()
-    return (closed, analysis, program_tape.calls) if count_layer_calls else (closed, analysis)
+    return closed, analysis, program_tape.calls
 
 
 def split_per_iteration(analysis: Analysis, paths, group_of: dict, group_names: tuple):
