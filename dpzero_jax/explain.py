@@ -105,6 +105,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
         return PlanReport("layers", "vmap", tuple(rows))
     front_end = engine._front_end(cfg, plan, None)
     if front_end == "program":
+        from dpzero_jax.program import explanation
         from dpzero_jax.program import mode as program_mode
 
         program_plan = program_mode.plan_program(loss_fn, cfg, params, batch, plan.paths, plan.batch_size)
@@ -123,7 +124,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
             booked = program_fused.local_groups(program_plan)[2]
             summed_elsewhere = frozenset(i for i, path in enumerate(program_plan.paths)
                                          if program_plan.group_of[path] not in booked)
-        rows = program_mode.explain(program_plan, params, cfg, summed_elsewhere)
+        rows = explanation.explain(program_plan, params, cfg, summed_elsewhere)
         if mode == "fused":   # groups that are not local to one site are book-kept in the fused pass: say why
             for row in rows:
                 reason = booked.get(program_plan.group_of[row["path"]])

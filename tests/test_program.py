@@ -20,6 +20,7 @@ from flax import nnx
 from helpers import B, Setup, check_private, dense_setup, gpt2, per_example_shapes, private_fn
 
 import dpzero_jax as dz
+from dpzero_jax.program import explanation
 from dpzero_jax.program import mode as program_mode
 
 VOCAB, T, D = 19, 6, 8
@@ -215,13 +216,13 @@ def test_tied_embedding_is_factored_with_its_cross_term():
     cfg = dz.DPConfig(mode="bk")
     plan = program_mode.plan_program(setup.loss_fn, cfg, setup.params, setup.batch,
                                      dz.engine.leaf_paths(setup.params), B)
-    rows = {r["path"]: r for r in program_mode.explain(plan, setup.params, cfg)}
+    rows = {r["path"]: r for r in explanation.explain(plan, setup.params, cfg)}
     assert rows["embed/embedding"]["rule"] == "dot+gather"
     assert rows["conv/kernel"]["rule"] == "conv" and rows["attn/query/kernel"]["rule"] == "dot"
     assert not plan.analysis.fallback
     plain = program_mode.plan_program(SETUPS["plain"]().loss_fn, cfg, SETUPS["plain"]().params,
                                       SETUPS["plain"]().batch, dz.engine.leaf_paths(SETUPS["plain"]().params), B)
-    why = {r["path"]: (r["rule"], r["why"]) for r in program_mode.explain(plain, SETUPS["plain"]().params, cfg)}
+    why = {r["path"]: (r["rule"], r["why"]) for r in explanation.explain(plain, SETUPS["plain"]().params, cfg)}
     assert why["gate"][0] == "fallback" and "cond" in why["gate"][1]
     assert why["lora_a"][0] == "fallback" and why["w"][0] == "dot" and why["cls"][0] == "local"
 

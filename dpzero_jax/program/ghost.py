@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from dpzero_jax import pergrad, spmd
-from dpzero_jax.program import conv, zero3
+from dpzero_jax.program import conv, explanation, zero3
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program.analyze import view_size
@@ -94,7 +94,7 @@ def _saves_memory(leaf_sites, cfg, size: int) -> bool:
     kernel = "pallas" if cfg.norm_kernel == "pallas" else "xla"
 
     def instantiated(reuse: bool) -> bool:
-        return bk.factored_form(leaf_sites, cfg.norm_method, kernel, n, reuse=reuse)[0] == "instantiate"
+        return explanation.factored_form(leaf_sites, cfg.norm_method, kernel, n, reuse=reuse)[0] == "instantiate"
     kept = 4 * n + (jnp.dtype(cfg.instantiated_dtype).itemsize * size * n if instantiated(True) else 0)
     scaled = sum(size * math.prod(s.out_aval.shape) * s.out_aval.dtype.itemsize for s in leaf_sites)
     return scaled + (4 * size * n if instantiated(False) else 0) < kept
