@@ -340,6 +340,14 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
     the clip factors ``C_{m,i}`` are taken per group. ``key`` is the PRNG key of the noise (required, even with
     ``noise_multiplier=0``, so that the call signature never changes). Works under ``jax.jit``.
 
+    ``loss_fn`` must compute each example's loss from that example alone -- no batch statistics (a batch norm in
+    training mode), no mean or contrastive term over the batch inside it: ``grad L_i`` is what is clipped, and the
+    sensitivity of the sum assumes that example ``i`` changes only its own term. ``mode="vmap"`` and the
+    traced-program front-end evaluate it on one example at a time (a batch of one), so a loss that couples the
+    examples is computed there as if each example were alone; through the ``dpzero_jax.nn`` layers' tapes, one
+    example's gradient would carry the other examples' terms, and the clipping would no longer bound the sum's
+    sensitivity. This is not checked.
+
     ``thresholds``: ``[M]`` group thresholds for this call (a traced array is fine), in place of the configured
     ones; the noise scale follows them (``sigma * ||thresholds||``). Adaptive clipping
     (:mod:`dpzero_jax.adaptive_clipping`) passes its current thresholds here.

@@ -15,7 +15,9 @@ Per depth ``L`` and layout the script measures, in one process:
 * **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round;
 * **noise floor**: the Gaussian noise alone (``dz.noise.privatize`` of a gradient-shaped tree, jitted, timed in
   the same rounds), as a fraction of the non-DP step: every DP-SGD step draws one normal per parameter, so no
-  engine's step ratio can be below ``1 + noise``; ``x step - noise`` is the rest (norms, clipped sums, layout);
+  engine's step ratio can be below ``1 + noise``; ``x step - noise`` is the rest (norms, clipped sums, layout).
+  Its compile time, jitted by itself, is stored too (``compile_noise_ratio``: of the non-DP compile, paired per
+  round), as a rough share of the DP compile's excess (inside the step its kernels are compiled with the rest);
 * **memory**: ``compiled.memory_analysis().temp_size_in_bytes`` of the DP step against the non-DP step; on the
   ``scan+remat`` row (``nn.remat`` around every block, at the first depth) also of ``mode="ghost"`` (what ``auto``
   picks there: its norms come out of the rematerialised backward) and ``mode="bk"`` (which keeps every site's
@@ -193,7 +195,8 @@ def main(argv=None):
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
         row = {"layout": layout, "layers": layers, "compile_nondp_s": pair["nondp"][2], "compile_dp_s": pair["dp"][2],
                "compile_ratio": compile_ratio(pair, "dp"), "compile_nondp_rounds_s": pair["nondp"][3],
-               "compile_dp_rounds_s": pair["dp"][3], "step_nondp_s": t_nondp, "step_dp_s": t_dp,
+               "compile_dp_rounds_s": pair["dp"][3], "compile_noise_s": pair["noise"][2],
+               "compile_noise_ratio": compile_ratio(pair, "noise"), "step_nondp_s": t_nondp, "step_dp_s": t_dp,
                "step_ratio_paired": ratio, "noise_ratio_paired": noise, "step_ratio_minus_noise": ratio - noise,
                "temp_nondp_bytes": temp["nondp"], "temp_dp_bytes": temp["dp"],
                "temp_ratio": temp["dp"] / max(temp["nondp"], 1)}
@@ -221,6 +224,8 @@ def main(argv=None):
         floor = 1 + target[0]["noise_ratio_paired"]
         print(f"      the noise alone puts any DP-SGD step at >= {floor:.3f}x here; the rest of the DP step is "
               f"{target[0]['step_ratio_minus_noise']:.3f}x")
+        print(f"      the noise alone, jitted by itself, compiles in {target[0]['compile_noise_ratio']:.2f}x the "
+              f"non-DP step's compile time")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"backend": jax.default_backend(), "width": WIDTH, "seq": args.seq, "batch": args.batch,
