@@ -66,7 +66,8 @@ def group_label(plan: ProgramPlan, group: int) -> str:
 def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True) -> tuple[str, int]:
     """``(method, per-example bytes)`` of a leaf used by dot / gather sites, as book-keeping decides: the sites'
     factors (shapes only, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one example)
-    go through the rule of :func:`_outer_norm_and_sum`; uses whose blocks or layouts differ are instantiated."""
+    go through the rule of :func:`dpzero_jax.program.mode._outer_norm_and_sum`; uses whose blocks or layouts
+    differ are instantiated."""
     return _factored_row(leaf_sites, method, kernel, size, reuse)[:2]
 
 
@@ -101,7 +102,7 @@ def _abstract_uses(leaf_sites):
             return f.left, f.right
         left, right = jax.eval_shape(shapes, operands, jax.ShapeDtypeStruct(lead + tuple(out.shape), jnp.float32))
         factors.append(((left.shape[0],) + left.shape[2:], (right.shape[0],) + right.shape[2:], static))
-    if len({f[2]["structure"] + (f[0][0],) for f in factors}) > 1:      # as _same_blocks: no shared cross terms
+    if len({f[2]["structure"] + (f[0][0],) for f in factors}) > 1:      # as mode._same_blocks: no shared cross terms
         return None
     uses = [pergrad.Outer(jax.ShapeDtypeStruct(left, jnp.float32), jax.ShapeDtypeStruct(right, jnp.float32),
                           st["rows"], (st["rows"], right[-1]), st["ids"]) for left, right, st in factors]
