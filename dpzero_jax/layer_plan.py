@@ -244,7 +244,6 @@ def check_losses(out_avals, batch_size: int, traced_size: int | None = None) -> 
 def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_supported: bool = True) -> Plan:
     """Trace ``loss_fn`` abstractly once and plan the private gradient (see the module docstring)."""
     paths, batch_size = check_inputs(params, batch)
-    leaves = jax.tree.leaves(params)
     closed, records, used, misplaced = _discover(loss_fn, params, batch)
     check_losses(closed.out_avals, batch_size)
     outside = [path for path, u in zip(paths, used) if u]
@@ -261,7 +260,7 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
             uses[path].append((record.index, name))
     layer_order = [clipping.parent(path) for r in trainable_records for _, path in r.param_paths]
     if outside:   # leaves used outside dpzero_jax layers: in the order the traced program first uses them
-        first = _first_uses(closed.jaxpr, closed.jaxpr.invars[:len(leaves)])
+        first = _first_uses(closed.jaxpr, closed.jaxpr.invars[:len(paths)])
         layer_order += [clipping.parent(paths[i]) for i in sorted(first, key=first.get) if used[i]]
     group_of, group_names = clipping.assign_groups(cfg.groups, paths, layer_order)
     thresholds = clipping.thresholds(cfg.max_grad_norm, len(group_names), cfg.group_thresholds)

@@ -133,9 +133,14 @@ def compiled_pair(params, batch, loss_fn, modes=("auto",), compile_rounds: int =
     return {name: (compiled[name], args, statistics.median(times[name]), times[name]) for name, _, args in candidates}
 
 
+def round_ratios(times, base_times) -> list[float]:
+    """Each round's compile time / the baseline's of the same round."""
+    return [t / base for t, base in zip(times, base_times)]
+
+
 def compile_ratio(pair, name: str) -> float:
     """The median over rounds of ``name``'s compile time / the non-DP one's of the same round."""
-    return statistics.median(t / base for t, base in zip(pair[name][3], pair["nondp"][3]))
+    return statistics.median(round_ratios(pair[name][3], pair["nondp"][3]))
 
 
 def step_ratio(pair, rounds: int) -> tuple[float, float, float, float]:
@@ -221,8 +226,7 @@ def main(argv=None):
                    f"scan L={deepest} step <= 1.05x": target[0]["step_ratio_paired"] <= 1.05}
         for name, ok in targets.items():
             print(f"{'PASS' if ok else 'FAIL'}  {name}")
-        row = target[0]
-        per_round = [dp / base for dp, base in zip(row["compile_dp_rounds_s"], row["compile_nondp_rounds_s"])]
+        per_round = round_ratios(target[0]["compile_dp_rounds_s"], target[0]["compile_nondp_rounds_s"])
         if len(per_round) > 1:
             print(f"      compile ratio per round: {min(per_round):.2f}-{max(per_round):.2f}x over {len(per_round)} "
                   f"rounds (the median decides; compile times move by about 0.3 s from run to run on a shared "
