@@ -44,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -101,9 +102,18 @@ def setup(layers: int, scan: bool, remat: bool = False, batch_size: int = BATCH,
     return params, batch, loss_fn
 
 
-def compiled_pair(params, batch, loss_fn, modes=("auto",), compile_rounds: int = 3):
-    """``{"nondp": ..., "dp": (auto), "ghost": ..., "noise": (the noise alone)}``: (compiled, args, median lower +
-    compile seconds, that time in each round). Every round compiles every candidate afresh, each after
+class Compiled(NamedTuple):
+    """One candidate of :func:`compiled_pair`: its executable, the arguments it runs on, and its trace + lower +
+    compile time (median over rounds, and each round's)."""
+    executable: object
+    args: tuple
+    seconds: float
+    rounds_s: list
+
+
+def compiled_pair(params, batch, loss_fn, modes=("auto",), compile_rounds: int = 3) -> dict[str, Compiled]:
+    """``{"nondp": ..., "dp": (auto), "ghost": ..., "noise": (the noise alone)}``, each a :class:`Compiled`. Every
+    round compiles every candidate afresh, each after
     ``jax.clear_caches()`` (the first step of a new process: its traces, lowerings and XLA compile all redone), the
     candidates' order rotated from round to round."""
     batch_size = batch["ids"].shape[0]
@@ -130,7 +140,8 @@ def compiled_pair(params, batch, loss_fn, modes=("auto",), compile_rounds: int =
             start = time.perf_counter()
             compiled[name] = make().lower(*args).compile()
             times[name].append(time.perf_counter() - start)
-    return {name: (compiled[name], args, statistics.median(times[name]), times[name]) for name, _, args in candidates}
+    return {name: Compiled(compiled[name], args, statistics.median(times[name]), times[name])
+            for name, _, args in candidates}
 
 
 def round_ratios(times, base_times) -> list[float]:
@@ -140,22 +151,22 @@ def round_ratios(times, base_times) -> list[float]:
 
 def compile_ratio(pair, name: str) -> float:
     """The median over rounds of ``name``'s compile time / the non-DP one's of the same round."""
-    return statistics.median(round_ratios(pair[name][3], pair["nondp"][3]))
+    return statistics.median(round_ratios(pair[name].rounds_s, pair["nondp"].rounds_s))
 
 
 def step_ratio(pair, rounds: int) -> tuple[float, float, float, float]:
     """(median paired DP/non-DP ratio, median non-DP seconds, median DP seconds, median paired noise/non-DP)."""
     pair = {name: pair[name] for name in ("nondp", "dp", "noise")}
-    for compiled, args, *_ in pair.values():
-        jax.block_until_ready(compiled(*args))
+    for candidate in pair.values():
+        jax.block_until_ready(candidate.executable(*candidate.args))
     ratios, noise, times = [], [], {"nondp": [], "dp": [], "noise": []}
     for r in range(rounds):
         order = ("nondp", "dp", "noise") if r % 2 == 0 else ("noise", "dp", "nondp")
         this = {}
         for name in order:
-            compiled, args, *_ = pair[name]
+            candidate = pair[name]
             start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
+            jax.block_until_ready(candidate.executable(*candidate.args))
             this[name] = time.perf_counter() - start
             times[name].append(this[name])
         ratios.append(this["dp"] / this["nondp"])
@@ -196,18 +207,19 @@ def main(argv=None):
         pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",),
                              args.compile_rounds)
         ratio, t_nondp, t_dp, noise = step_ratio(pair, args.rounds)
-        mem = {name: pair[name][0].memory_analysis() for name in pair}
+        mem = {name: pair[name].executable.memory_analysis() for name in pair}
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
-        row = {"layout": layout, "layers": layers, "compile_nondp_s": pair["nondp"][2], "compile_dp_s": pair["dp"][2],
-               "compile_ratio": compile_ratio(pair, "dp"), "compile_nondp_rounds_s": pair["nondp"][3],
-               "compile_dp_rounds_s": pair["dp"][3], "compile_noise_s": pair["noise"][2],
+        row = {"layout": layout, "layers": layers, "compile_nondp_s": pair["nondp"].seconds,
+               "compile_dp_s": pair["dp"].seconds,
+               "compile_ratio": compile_ratio(pair, "dp"), "compile_nondp_rounds_s": pair["nondp"].rounds_s,
+               "compile_dp_rounds_s": pair["dp"].rounds_s, "compile_noise_s": pair["noise"].seconds,
                "compile_noise_ratio": compile_ratio(pair, "noise"), "step_nondp_s": t_nondp, "step_dp_s": t_dp,
                "step_ratio_paired": ratio, "noise_ratio_paired": noise, "step_ratio_minus_noise": ratio - noise,
                "temp_nondp_bytes": temp["nondp"], "temp_dp_bytes": temp["dp"],
                "temp_ratio": temp["dp"] / max(temp["nondp"], 1)}
         if "ghost" in temp:
             row.update(temp_ghost_bytes=temp["ghost"], temp_ghost_ratio=temp["ghost"] / max(temp["nondp"], 1),
-                       compile_ghost_s=pair["ghost"][2], temp_bk_bytes=temp["bk"],
+                       compile_ghost_s=pair["ghost"].seconds, temp_bk_bytes=temp["bk"],
                        temp_bk_ratio=temp["bk"] / max(temp["nondp"], 1))
         rows.append(row)
         print(f"{layout:<10} {layers:>3} {row['compile_nondp_s']:>16.2f} {row['compile_dp_s']:>12.2f} "
@@ -215,7 +227,7 @@ def main(argv=None):
               f"{temp['nondp'] / 2**20:>15.1f} {temp['dp'] / 2**20:>11.1f} {row['temp_ratio']:>7.2f}", flush=True)
         for mode in ("ghost", "bk"):
             if mode in temp:
-                print(f"{'  ' + mode:<10} {layers:>3} {'':>16} {pair[mode][2]:>12.2f} {'':>9} {'':>14} {'':>10} "
+                print(f"{'  ' + mode:<10} {layers:>3} {'':>16} {pair[mode].seconds:>12.2f} {'':>9} {'':>14} {'':>10} "
                       f"{'':>7} {'':>7} {temp['nondp'] / 2**20:>15.1f} {temp[mode] / 2**20:>11.1f} "
                       f"{temp[mode] / max(temp['nondp'], 1):>7.2f}")
     deepest = max(args.depths)
