@@ -21,6 +21,7 @@ _ATTRIBUTES = {
     "PrivateTrainer": "fit",
     "UnsupportedParameterError": "engine",
     "autotune": "engine",
+    "check_per_example_loss": "loss_check",
     "choose_mode": "engine",
     "clipped_grad": "optax_dp",
     "evaluate": "fit_data",
@@ -36,8 +37,8 @@ _SUBMODULES = (
     "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
-_OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "fit", "fit_data", "metric_writers",
-                     "optax_dp", "optim", "program", "running_accountant", "tape")
+_OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "fit", "fit_data", "loss_check",
+                     "metric_writers", "optax_dp", "optim", "program", "running_accountant", "tape")
 
 __all__ = [*_ATTRIBUTES, *_SUBMODULES]
 
@@ -70,6 +71,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
         fit,
         fit_data,
         hf,
+        loss_check,
         models,
         nn,
         noise,
@@ -102,6 +104,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
     from dpzero_jax.explain import explain_plan  # noqa: F401
     from dpzero_jax.fit import PrivateTrainer  # noqa: F401
     from dpzero_jax.fit_data import FitResult, evaluate  # noqa: F401
+    from dpzero_jax.loss_check import check_per_example_loss  # noqa: F401
     from dpzero_jax.optax_dp import (  # noqa: F401
         ClippedGrad,
         GaussianPrivatizerState,

@@ -346,7 +346,7 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
     traced-program front-end evaluate it on one example at a time (a batch of one), so a loss that couples the
     examples is computed there as if each example were alone; through the ``dpzero_jax.nn`` layers' tapes, one
     example's gradient would carry the other examples' terms, and the clipping would no longer bound the sum's
-    sensitivity. This is not checked.
+    sensitivity. The engine does not check it: :func:`dpzero_jax.loss_check.check_per_example_loss` does, on a batch.
 
     ``thresholds``: ``[M]`` group thresholds for this call (a traced array is fine), in place of the configured
     ones; the noise scale follows them (``sigma * ||thresholds||``). Adaptive clipping
