@@ -14,7 +14,9 @@ The engine cannot see this from the program, so it is checked on data, by :func:
    gradient (its value zero, e.g. ``m - stop_gradient(m)`` with ``m`` a batch mean) shows there.
 
 Examples whose loss is not finite are left out of the gradient check (the engine gives them coefficient 0); a
-non-finite loss on one side and a finite one on the other fails the value check. One batch is evidence, not a proof:
+non-finite loss on one side and a finite one on the other fails the value check. Where a finite loss has a
+non-finite gradient (a square root at 0), the two gradients are compared where both are finite and must be
+non-finite at the same places. One batch is evidence, not a proof:
 a loss that couples examples only on some inputs passes on others.
 """
 
@@ -99,7 +101,11 @@ def _compare_gradients(paths, from_batch, from_alone, rtol: float, atol: float) 
     worst = []
     for path, a, b in zip(paths, from_batch, from_alone):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        gap, scale = float(np.linalg.norm(a - b)), float(np.linalg.norm(b))
+        finite = np.isfinite(a) & np.isfinite(b)   # a finite loss may still have a non-finite gradient (sqrt at 0)
+        if (np.isfinite(a) != np.isfinite(b)).any():
+            worst.append((np.inf, path, np.inf, float(np.linalg.norm(b[finite]))))
+            continue
+        gap, scale = float(np.linalg.norm((a - b)[finite])), float(np.linalg.norm(b[finite]))
         if not gap <= rtol * scale + atol:
             worst.append((gap / max(scale, 1e-30), path, gap, scale))
     if not worst:

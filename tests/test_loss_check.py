@@ -36,6 +36,18 @@ def test_a_per_example_loss_with_a_nan_example_passes():
     assert dz.check_per_example_loss(_per_example, params, batch) is None
 
 
+def test_a_finite_loss_with_a_non_finite_gradient_passes():
+    params, batch = _data()
+    batch = {"x": batch["x"].at[1].set(0.0), "y": batch["y"]}
+
+    def norm_loss(params, batch):   # example 1: sqrt at 0, a finite loss whose gradient is NaN
+        return jnp.sqrt(jnp.sum(jnp.square(batch["x"] @ params["w1"]), axis=1))
+
+    grads = jax.grad(lambda p: jnp.sum(norm_loss(p, batch)))(params)
+    assert np.isfinite(np.asarray(norm_loss(params, batch))).all() and not np.isfinite(np.asarray(grads["w1"])).all()
+    assert dz.check_per_example_loss(norm_loss, params, batch) is None
+
+
 def test_a_loss_with_aux():
     params, batch = _data()
 
