@@ -113,9 +113,8 @@ class Compiled(NamedTuple):
 
 def compiled_pair(params, batch, loss_fn, modes=("auto",), compile_rounds: int = 3) -> dict[str, Compiled]:
     """``{"nondp": ..., "dp": (auto), "ghost": ..., "noise": (the noise alone)}``, each a :class:`Compiled`. Every
-    round compiles every candidate afresh, each after
-    ``jax.clear_caches()`` (the first step of a new process: its traces, lowerings and XLA compile all redone), the
-    candidates' order rotated from round to round."""
+    round compiles every candidate afresh, each after ``jax.clear_caches()`` (the first step of a new process: its
+    traces, lowerings and XLA compile all redone), the candidates' order rotated from round to round."""
     batch_size = batch["ids"].shape[0]
     key = jax.random.key(1)
 
