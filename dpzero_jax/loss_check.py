@@ -43,7 +43,7 @@ def single_example_losses(loss_fn: Callable) -> Callable:
     return jax.vmap(alone, in_axes=(None, 0))
 
 
-def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = False, rtol: float = 1e-4,
+def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = False, rtol: float | None = None,
                            atol: float = 1e-6, key: jax.Array | None = None) -> None:
     """Raise ``ValueError`` if ``loss_fn`` couples the examples of ``batch`` (see the module docstring); return
     ``None`` if each example's loss and its gradient are the same on the batch and alone.
@@ -52,7 +52,9 @@ def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = 
     examples, ``has_aux``: ``loss_fn`` returns ``(losses [B], aux)`` (the aux is not compared) -- as for
     :func:`dpzero_jax.private_value_and_grad`. ``rtol`` / ``atol``: how far the batched and the single-example
     evaluations may differ from floating-point reordering alone (losses elementwise; gradients by the norm of their
-    difference against ``rtol * ||gradient|| + atol``, leaf by leaf): loosen them for a bfloat16 model. ``key``:
+    difference against ``rtol * ||gradient|| + atol``, leaf by leaf); ``rtol`` by default ``max(1e-4, 4 eps)`` of
+    the narrowest floating-point type among the losses and the parameters (1e-4 in float32, 0.031 in bfloat16,
+    0.0039 in float16). ``key``:
     the PRNG key of the gradient check's weights (default ``jax.random.key(0)``). Costs a compile of the forward
     and backward pass at the batch's size and at a batch of one: run it once, on a real batch, before training.
     """
@@ -61,9 +63,13 @@ def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = 
     if batch_size < 2:
         raise ValueError(f"check_per_example_loss needs a batch of at least 2 examples to see coupling; got "
                          f"{batch_size}")
+    out_avals = [jax.typeof(x) for x in jax.tree.leaves(jax.eval_shape(loss_fn, params, batch))]
+    check_losses(out_avals, batch_size)
+    if rtol is None:
+        dtypes = [out_avals[0].dtype, *(jnp.result_type(x) for x in jax.tree.leaves(params))]
+        rtol = max(1e-4, 4 * max(float(jnp.finfo(d).eps) for d in dtypes))
     if not (rtol >= 0 and atol >= 0):
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r}, atol={atol!r}")
-    check_losses([jax.typeof(x) for x in jax.tree.leaves(jax.eval_shape(loss_fn, params, batch))], batch_size)
     per_example = single_example_losses(loss_fn)
     batched = np.asarray(jax.jit(loss_fn)(params, batch), np.float64)
     alone = np.asarray(jax.jit(per_example)(params, batch), np.float64)

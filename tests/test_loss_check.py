@@ -48,6 +48,17 @@ def test_a_finite_loss_with_a_non_finite_gradient_passes():
     assert dz.check_per_example_loss(norm_loss, params, batch) is None
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_half_precision_model_passes_and_its_coupling_is_refused(dtype):
+    params, batch = _data()
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    batch = jax.tree.map(lambda x: x.astype(dtype), batch)
+    assert _per_example(params, batch).dtype == dtype
+    dz.check_per_example_loss(_per_example, params, batch)
+    with pytest.raises(ValueError, match="couples the examples"):
+        dz.check_per_example_loss(lambda p, b: _per_example(p, b) - jnp.mean(_per_example(p, b)), params, batch)
+
+
 def test_a_loss_with_aux():
     params, batch = _data()
 
