@@ -63,6 +63,7 @@ from dpzero_jax.fit_data import (
     run_evaluation,
     warn_about_sampling,
 )
+from dpzero_jax.loss_check import check_per_example_loss
 from dpzero_jax.optax_dp import clipped_grad, merged_loss
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import PoissonSampler
@@ -115,7 +116,9 @@ class PrivateTrainer:
     (:mod:`dpzero_jax.metric_writers`) or objects with ``write(row)``, ``sync()``, ``close()``. ``callbacks``:
     ``fn(trainer, row)`` after every step (``row``: ``step``, ``loss`` -- the mean loss of the batch's examples
     --, ``batch_size``, and on logged rows the epsilon); entries a callback adds to a logged row are written with it,
-    and ``trainer.params`` / :meth:`evaluate` see the parameters after the step.
+    and ``trainer.params`` / :meth:`evaluate` see the parameters after the step. ``check_loss``: before training,
+    :func:`dpzero_jax.check_per_example_loss` on the first examples refuses a loss that couples the examples (a batch
+    norm in training mode): one more compile of the loss at that size.
     """
 
     def __init__(self, model, loss_fn: Callable, optimizer: optax.GradientTransformation, data, *,
@@ -125,6 +128,7 @@ class PrivateTrainer:
                  clip_fn: str = "abadi", groups: Any = "all-layer", mode: str = "auto", front_end: str = "auto",
                  micro_batch_size: int | None = None, accumulation_steps: int = 1, noise_rng: str = "auto",
                  sampling: str | None = None, dataset_size: int | None = None, seed: int = 0, wrt: Any = None,
+                 check_loss: bool = True,
                  out=None, checkpoint_every: int | None = None, keep_checkpoints: int | None = None,
                  log_every: int = 10, callbacks: Sequence[Callable] = (), metric_writers: Sequence = (),
                  wandb_project: str | None = None):
@@ -134,6 +138,8 @@ class PrivateTrainer:
             raise TypeError(f"PrivateTrainer: optimizer must be an optax.GradientTransformation, got "
                             f"{type(optimizer).__name__}")
         self.tx = optimizer
+        validation.check_bool("PrivateTrainer", "check_loss", check_loss)
+        self._check_coupling = check_loss
         self._setup_model(model, loss_fn, wrt)
         self.batch_size = _positive_int("batch_size", batch_size)
         self.accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
@@ -266,6 +272,12 @@ class PrivateTrainer:
             hint = " -- return the per-example losses, not their mean" if out.shape == () else ""
             raise ValueError(f"PrivateTrainer: loss_fn must return per-example losses of shape [B] = ({size},), "
                              f"floating point, for a batch of {size} examples; got shape {out.shape} {out.dtype}{hint}")
+        if self._check_coupling and size > 1:   # on a few examples: one more compile of the loss at that size
+            try:
+                check_per_example_loss(functools.partial(self._loss, rest=self._rest), self.init_params,
+                                       {k: v[:4] for k, v in batch.items()})
+            except ValueError as error:
+                raise ValueError(f"PrivateTrainer: {error} (check_loss=False skips this check)") from None
         self._loss_checked = True
 
     def _build_step(self) -> None:

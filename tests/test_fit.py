@@ -343,3 +343,27 @@ def test_a_user_batch_of_the_wrong_shape_and_evaluate_errors():
         evaluate(lambda m, b: jnp.mean(nnx_loss(m, b)), Net(nnx.Rngs(0)), synthetic(10))
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         evaluate(nnx_loss, Net(nnx.Rngs(0)), synthetic(10), batch_size=0)
+
+
+def test_a_loss_that_couples_the_examples_is_refused_before_training():
+    """A linen model with a batch norm in training mode (its statistics over the batch): the trainer's loss check
+    (dz.check_per_example_loss on the first examples) refuses it; check_loss=False skips the check."""
+    class BatchNormNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(C)(jax.nn.relu(nn.BatchNorm(use_running_average=False)(nn.Dense(16)(x))))
+
+    net, data = BatchNormNet(), synthetic(64)
+    variables = net.init(jax.random.key(0), data["x"][:2])
+
+    def loss(params, batch):
+        logits, _ = net.apply({"params": params, "batch_stats": variables["batch_stats"]}, batch["x"],
+                              mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    options = dict(batch_size=16, steps=2, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"PrivateTrainer: loss_fn couples the examples.*check_loss=False"):
+        PrivateTrainer(variables["params"], loss, optax.sgd(0.1), data, **options)
+    PrivateTrainer(variables["params"], loss, optax.sgd(0.1), data, check_loss=False, **options)
+    with pytest.raises(ValueError, match="check_loss must be true or false"):
+        PrivateTrainer(variables["params"], loss, optax.sgd(0.1), data, check_loss="no", **options)
