@@ -63,7 +63,7 @@ from dpzero_jax.fit_data import (
     run_evaluation,
     warn_about_sampling,
 )
-from dpzero_jax.loss_check import check_per_example_loss
+from dpzero_jax.loss_check import CoupledLossError, check_per_example_loss
 from dpzero_jax.optax_dp import clipped_grad, merged_loss
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import PoissonSampler
@@ -276,7 +276,7 @@ class PrivateTrainer:
             try:
                 check_per_example_loss(functools.partial(self._loss, rest=self._rest), self.init_params,
                                        {k: v[:4] for k, v in batch.items()})
-            except ValueError as error:
+            except CoupledLossError as error:
                 raise ValueError(f"PrivateTrainer: {error} (check_loss=False skips this check)") from None
         self._loss_checked = True
 

@@ -34,6 +34,10 @@ from dpzero_jax.layer_plan import check_inputs, check_losses
 SHOWN = 3   # examples or leaves named in the error message
 
 
+class CoupledLossError(ValueError):
+    """``loss_fn`` couples the examples of the batch (raised by :func:`check_per_example_loss`)."""
+
+
 def single_example_losses(loss_fn: Callable) -> Callable:
     """``fn(params, batch) -> [B]``: each example's loss computed on a batch of one (``jax.vmap`` over examples),
     as ``mode="vmap"`` and the traced-program front-end evaluate ``loss_fn``."""
@@ -45,8 +49,8 @@ def single_example_losses(loss_fn: Callable) -> Callable:
 
 def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = False, rtol: float | None = None,
                            atol: float = 1e-6, key: jax.Array | None = None) -> None:
-    """Raise ``ValueError`` if ``loss_fn`` couples the examples of ``batch`` (see the module docstring); return
-    ``None`` if each example's loss and its gradient are the same on the batch and alone.
+    """Raise :class:`CoupledLossError` (a ``ValueError``) if ``loss_fn`` couples the examples of ``batch`` (see the
+    module docstring); return ``None`` if each example's loss and its gradient are the same on the batch and alone.
 
     params: the pytree ``loss_fn`` differentiates, batch: a pytree of arrays ``[B, ...]`` with at least two
     examples, ``has_aux``: ``loss_fn`` returns ``(losses [B], aux)`` (the aux is not compared) -- as for
@@ -96,7 +100,7 @@ def _compare_values(batched: np.ndarray, alone: np.ndarray, rtol: float, atol: f
         return
     bad = np.flatnonzero(~close)
     shown = ", ".join(f"example {i}: {batched[i]:.6g} on the batch, {alone[i]:.6g} alone" for i in bad[:SHOWN])
-    raise ValueError(
+    raise CoupledLossError(
         f"loss_fn couples the examples of the batch: {bad.size} of {batched.size} per-example losses differ when "
         f"the example is evaluated alone ({shown}{', ...' if bad.size > SHOWN else ''}). Each example's loss must "
         "depend on that example only -- no batch statistics (a batch norm in training mode), no mean or "
@@ -119,7 +123,7 @@ def _compare_gradients(paths, from_batch, from_alone, rtol: float, atol: float) 
     worst.sort(reverse=True)
     shown = ", ".join(f"{path!r}: |difference| {gap:.3g} against |gradient| {scale:.3g}"
                       for _, path, gap, scale in worst[:SHOWN])
-    raise ValueError(
+    raise CoupledLossError(
         f"loss_fn couples the examples of the batch through its gradient: a weighted sum of the per-example losses "
         f"has a different gradient on the batch than with each example alone for {len(worst)} parameter(s) "
         f"({shown}{', ...' if len(worst) > SHOWN else ''}); the losses' values agree, so a term over the batch "

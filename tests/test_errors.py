@@ -324,8 +324,11 @@ def test_stateful_layers_in_training_mode_are_named(layer):
     step = dz.nnx_private_step(loss_fn, dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0))
     with pytest.raises(ValueError, match="updates its own state while computing the loss"):
         step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), batch, jax.random.key(0))
+    with pytest.raises(ValueError, match="model.eval()"):   # at once: the trainer's loss check compiles the loss
+        dz.PrivateTrainer(_StatefulNet(layer, nnx.Rngs(0)), loss_fn, optax.sgd(0.1), data, batch_size=8, steps=1,
+                          epsilon=3.0, delta=1e-3)
     trainer = dz.PrivateTrainer(_StatefulNet(layer, nnx.Rngs(0)), loss_fn, optax.sgd(0.1), data, batch_size=8,
-                                steps=1, epsilon=3.0, delta=1e-3)
+                                steps=1, epsilon=3.0, delta=1e-3, check_loss=False)
     with pytest.raises(ValueError, match="model.eval()"):
         trainer.fit()
     model.eval()

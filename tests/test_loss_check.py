@@ -78,7 +78,7 @@ def test_a_batch_mean_in_the_loss_is_refused_by_value():
         losses = _per_example(params, batch)
         return losses - jnp.mean(losses) + 1.0
 
-    with pytest.raises(ValueError, match="couples the examples of the batch: 6 of 6 per-example losses differ"):
+    with pytest.raises(dz.loss_check.CoupledLossError, match="couples the examples of the batch: 6 of 6 per-example"):
         dz.check_per_example_loss(centred, params, batch)
 
 
