@@ -58,9 +58,9 @@ def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = 
     evaluations may differ from floating-point reordering alone (losses elementwise; gradients by the norm of their
     difference against ``rtol * ||gradient|| + atol``, leaf by leaf); ``rtol`` by default ``max(1e-4, 4 eps)`` of
     the narrowest floating-point type among the losses and the parameters (1e-4 in float32, 0.031 in bfloat16,
-    0.0039 in float16). ``key``:
-    the PRNG key of the gradient check's weights (default ``jax.random.key(0)``). Costs a compile of the forward
-    and backward pass at the batch's size and at a batch of one: run it once, on a real batch, before training.
+    0.0039 in float16). ``key``: the PRNG key of the gradient check's weights (default ``jax.random.key(0)``).
+    Costs a compile of the forward and backward pass at the batch's size and at a batch of one: run it once, on a
+    real batch, before training (:class:`~dpzero_jax.PrivateTrainer` does, unless ``check_loss=False``).
     """
     loss_fn, _ = split_aux(loss_fn, has_aux)
     paths, batch_size = check_inputs(params, batch)
