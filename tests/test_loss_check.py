@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from flax import nnx
 from helpers import gpt2, vit
 
 import dpzero_jax as dz
+from dpzero_jax import rmm
 
 B, D, H = 6, 5, 7
 
@@ -137,3 +139,20 @@ def test_bad_inputs_are_named():
 def test_the_bundled_models_losses_are_per_example(name):
     setup = {"gpt2-flax": lambda: gpt2(), "gpt2-dz-nn": lambda: gpt2(dz_nn=True), "vit": vit}[name]()
     dz.check_per_example_loss(setup.loss_fn, setup.params, setup.batch)
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_rmm_layers_private_layout_passes_and_the_rows_sketch_is_refused(private):
+    """The RMM layers' randomized backward: the DP layout (``"tokens"``: each example's positions sketched on their
+    own) is per-example; paper 002's ``"rows"`` layout sketches the rows of the whole batch together, which
+    couples the examples' weight gradients -- the check sees it in the gradient."""
+    config = dz.models.GPT2Config(vocab_size=23, n_positions=12, n_embd=16, n_layer=1, n_head=2)
+    model = rmm.convert_to_rmm(dz.models.GPT2(config, rngs=nnx.Rngs(0)), sketch="gaussian", rate=0.5,
+                               private=private)
+    params, loss_for_key = rmm.keyed_objective(dz.models.lm_objective, model)
+    batch = {"input_ids": jnp.asarray(np.random.default_rng(0).integers(0, 23, (4, 10)), jnp.int32)}
+    if private:
+        dz.check_per_example_loss(loss_for_key(jax.random.key(3)), params, batch)
+    else:
+        with pytest.raises(dz.loss_check.CoupledLossError, match="through its gradient"):
+            dz.check_per_example_loss(loss_for_key(jax.random.key(3)), params, batch)
