@@ -16,8 +16,9 @@ The engine cannot see this from the program, so it is checked on data, by :func:
 Examples whose loss is not finite are left out of the gradient check (the engine gives them coefficient 0); a
 non-finite loss on one side and a finite one on the other fails the value check. Where a finite loss has a
 non-finite gradient (a square root at 0), the two gradients are compared where both are finite and must be
-non-finite at the same places. One batch is evidence, not a proof:
-a loss that couples examples only on some inputs passes on others.
+non-finite at the same places. A loss that draws random numbers (dropout) differs between a batch and one example
+without coupling them: check it with the randomness turned off. One batch is evidence, not a proof: a loss that
+couples examples only on some inputs passes on others.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def _compare_values(batched: np.ndarray, alone: np.ndarray, rtol: float, atol: f
         f"loss_fn couples the examples of the batch: {bad.size} of {batched.size} per-example losses differ when "
         f"the example is evaluated alone ({shown}{', ...' if bad.size > SHOWN else ''}). Each example's loss must "
         "depend on that example only -- no batch statistics (a batch norm in training mode), no mean or "
-        "contrastive term over the batch -- or the clipping does not bound the gradient sum's sensitivity")
+        "contrastive term over the batch -- or the clipping does not bound the gradient sum's sensitivity. (Random "
+        "draws inside the loss, e.g. dropout from a fixed key, also differ between the batch and one example: "
+        "check a deterministic version of the loss.)")
 
 
 def _compare_gradients(paths, from_batch, from_alone, rtol: float, atol: float) -> None:
