@@ -57,13 +57,13 @@ from dpzero_jax.fit_data import (
     FitResult,
     as_host_batch,
     as_target,
+    check_trainer_loss,
     declared_sampling,
     metric_sums,
     pad_batch,
     run_evaluation,
     warn_about_sampling,
 )
-from dpzero_jax.loss_check import CoupledLossError, check_per_example_loss
 from dpzero_jax.optax_dp import clipped_grad, merged_loss
 from dpzero_jax.running_accountant import RunningAccountant, row_interval
 from dpzero_jax.sampling import PoissonSampler
@@ -257,27 +257,9 @@ class PrivateTrainer:
         self.init_params, self._rest, self._loss = params, rest, loss
 
     def _check_loss(self, batch: dict) -> None:
-        """``loss_fn`` must give ``[B]`` floating per-example losses on ``batch`` (traced abstractly)."""
-        size = len(next(iter(batch.values())))
-        try:
-            out = jax.eval_shape(self._loss, self.init_params, batch, self._rest)
-        except Exception as error:
-            raise ValueError(f"PrivateTrainer: loss_fn failed on a batch of {size} examples with entries "
-                             f"{ {k: (v.shape, str(v.dtype)) for k, v in batch.items()} }: "
-                             f"{type(error).__name__}: {error}") from error
-        if not hasattr(out, "shape"):
-            raise ValueError(f"PrivateTrainer: loss_fn must return one array of per-example losses [B]; it returned "
-                             f"{type(out).__name__} (an auxiliary output is not supported here)")
-        if out.shape != (size,) or not jnp.issubdtype(out.dtype, jnp.floating):
-            hint = " -- return the per-example losses, not their mean" if out.shape == () else ""
-            raise ValueError(f"PrivateTrainer: loss_fn must return per-example losses of shape [B] = ({size},), "
-                             f"floating point, for a batch of {size} examples; got shape {out.shape} {out.dtype}{hint}")
-        if self._check_coupling and size > 1:   # on a few examples: one more compile of the loss at that size
-            try:
-                check_per_example_loss(functools.partial(self._loss, rest=self._rest), self.init_params,
-                                       {k: v[:4] for k, v in batch.items()})
-            except CoupledLossError as error:
-                raise ValueError(f"PrivateTrainer: {error} (check_loss=False skips this check)") from None
+        """``loss_fn`` on ``batch``: ``[B]`` floating per-example losses that do not couple the examples
+        (:func:`~dpzero_jax.fit_data.check_trainer_loss`)."""
+        check_trainer_loss(self._loss, self.init_params, self._rest, batch, self._check_coupling)
         self._loss_checked = True
 
     def _build_step(self) -> None:

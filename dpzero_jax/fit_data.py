@@ -18,6 +18,7 @@ batch of at most ``slots`` examples.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -26,6 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dpzero_jax.loss_check import CoupledLossError, check_per_example_loss
 
 __all__ = ["SAMPLINGS", "ArrayDataset", "FitResult", "IndexedDataset", "as_host_batch", "classify", "declared_sampling",
            "evaluate", "pad_batch"]
@@ -54,6 +57,31 @@ def as_host_batch(batch, where: str) -> dict[str, np.ndarray]:
     if next(iter(sizes.values())) < 1:
         raise ValueError(f"{where}: empty batch (0 examples)")
     return out
+
+
+def check_trainer_loss(loss: Callable, params, rest, batch: dict, coupling: bool) -> None:
+    """For :class:`~dpzero_jax.fit.PrivateTrainer`: ``loss(params, batch, rest)`` must give ``[B]`` floating
+    per-example losses on ``batch`` (traced abstractly), and with ``coupling`` must not couple the examples
+    (:func:`dpzero_jax.check_per_example_loss` on up to 4 of them: one more compile of the loss at that size)."""
+    size = len(next(iter(batch.values())))
+    try:
+        out = jax.eval_shape(loss, params, batch, rest)
+    except Exception as error:
+        raise ValueError(f"PrivateTrainer: loss_fn failed on a batch of {size} examples with entries "
+                         f"{ {k: (v.shape, str(v.dtype)) for k, v in batch.items()} }: "
+                         f"{type(error).__name__}: {error}") from error
+    if not hasattr(out, "shape"):
+        raise ValueError(f"PrivateTrainer: loss_fn must return one array of per-example losses [B]; it returned "
+                         f"{type(out).__name__} (an auxiliary output is not supported here)")
+    if out.shape != (size,) or not jnp.issubdtype(out.dtype, jnp.floating):
+        hint = " -- return the per-example losses, not their mean" if out.shape == () else ""
+        raise ValueError(f"PrivateTrainer: loss_fn must return per-example losses of shape [B] = ({size},), "
+                         f"floating point, for a batch of {size} examples; got shape {out.shape} {out.dtype}{hint}")
+    if coupling and size > 1:
+        try:
+            check_per_example_loss(functools.partial(loss, rest=rest), params, {k: v[:4] for k, v in batch.items()})
+        except CoupledLossError as error:
+            raise ValueError(f"PrivateTrainer: {error} (check_loss=False skips this check)") from None
 
 
 class ArrayDataset:
