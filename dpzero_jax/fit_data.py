@@ -1,5 +1,6 @@
 """Data for :class:`dpzero_jax.fit.PrivateTrainer` and :func:`evaluate`: what a user's data is and how it was sampled,
-host batches, padding; and :class:`FitResult`, what a fit returns.
+host batches, padding; the check of the user's loss (:func:`check_trainer_loss`); and :class:`FitResult`, what a fit
+returns.
 
 Two kinds of training data (:func:`classify`):
 
