@@ -10,8 +10,9 @@ The engine cannot see this from the program, so it is checked on data, by :func:
 1. **values**: ``loss_fn(params, batch)[i]`` against ``loss_fn(params, batch[i:i+1])[0]`` for every example, the
    latter evaluated as the engine's per-example front-ends do (``jax.vmap`` over batches of one);
 2. **gradients**: ``grad sum_i w_i L_i`` of the batched loss against the same weighted sum of the single-example
-   losses, with random weights ``w`` (one backward pass each): a term that couples the examples only in its
-   gradient (its value zero, e.g. ``m - stop_gradient(m)`` with ``m`` a batch mean) shows there.
+   losses, with random weights ``w`` (one backward pass each, compiled with the values of 1): a term that couples
+   the examples only in its gradient (its value zero, e.g. ``m - stop_gradient(m)`` with ``m`` a batch mean) shows
+   there.
 
 Examples whose loss is not finite are left out of the gradient check (the engine gives them coefficient 0); a
 non-finite loss on one side and a finite one on the other fails the value check. Where a finite loss has a
@@ -60,8 +61,9 @@ def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = 
     difference against ``rtol * ||gradient|| + atol``, leaf by leaf); ``rtol`` by default ``max(1e-4, 4 eps)`` of
     the narrowest floating-point type among the losses and the parameters (1e-4 in float32, 0.031 in bfloat16,
     0.0039 in float16). ``key``: the PRNG key of the gradient check's weights (default ``jax.random.key(0)``).
-    Costs a compile of the forward and backward pass at the batch's size and at a batch of one: run it once, on a
-    real batch, before training (:class:`~dpzero_jax.PrivateTrainer` does, unless ``check_loss=False``).
+    Costs two compiles of the forward and backward pass, at the batch's size and at a batch of one (two more when
+    some loss is not finite): run it once, on a real batch, before training (:class:`~dpzero_jax.PrivateTrainer`
+    does, unless ``check_loss=False``).
     """
     loss_fn, _ = split_aux(loss_fn, has_aux)
     paths, batch_size = check_inputs(params, batch)
@@ -76,22 +78,27 @@ def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = 
     if not (rtol >= 0 and atol >= 0):
         raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r}, atol={atol!r}")
     per_example = single_example_losses(loss_fn)
-    batched = np.asarray(jax.jit(loss_fn)(params, batch), np.float64)
-    alone = np.asarray(jax.jit(per_example)(params, batch), np.float64)
-    _compare_values(batched, alone, rtol, atol)
+    key = jax.random.key(0) if key is None else key
 
+    def weighted(losses_of):   # (losses [B], grad sum_i w_i L_i): one compile gives both
+        def objective(p, b, w):
+            losses = losses_of(p, b)
+            return jnp.sum(w * losses.astype(jnp.float32)), losses
+        return jax.jit(jax.grad(objective, has_aux=True))
+
+    weights = jax.random.normal(key, (batch_size,), jnp.float32)
+    grad_batch, batched = weighted(loss_fn)(params, batch, weights)
+    grad_alone, alone = weighted(per_example)(params, batch, weights)
+    batched, alone = np.asarray(batched, np.float64), np.asarray(alone, np.float64)
+    _compare_values(batched, alone, rtol, atol)
     finite = np.flatnonzero(np.isfinite(alone))
     if finite.size == 0:
         return
-    subset = jax.tree.map(lambda x: jnp.asarray(x)[finite], batch)
-    key = jax.random.key(0) if key is None else key
-    weights = jax.random.normal(key, (finite.size,), jnp.float32)
-
-    def weighted(losses_of):
-        return jax.jit(jax.grad(lambda p, b: jnp.sum(weights * losses_of(p, b).astype(jnp.float32))))
-    from_batch = jax.tree.leaves(weighted(loss_fn)(params, subset))
-    from_alone = jax.tree.leaves(weighted(per_example)(params, subset))
-    _compare_gradients(paths, from_batch, from_alone, rtol, atol)
+    if finite.size < batch_size:   # the non-finite examples left out (their gradients would be NaN on both sides)
+        subset = jax.tree.map(lambda x: jnp.asarray(x)[finite], batch)
+        grad_batch, _ = weighted(loss_fn)(params, subset, weights[finite])
+        grad_alone, _ = weighted(per_example)(params, subset, weights[finite])
+    _compare_gradients(paths, jax.tree.leaves(grad_batch), jax.tree.leaves(grad_alone), rtol, atol)
 
 
 def _compare_values(batched: np.ndarray, alone: np.ndarray, rtol: float, atol: float) -> None:
