@@ -32,6 +32,7 @@ import numpy as np
 
 from dpzero_jax.engine import split_aux
 from dpzero_jax.layer_plan import check_inputs, check_losses
+from dpzero_jax.modes.vmap import one_example_loss
 
 SHOWN = 3   # examples or leaves named in the error message
 
@@ -43,10 +44,7 @@ class CoupledLossError(ValueError):
 def single_example_losses(loss_fn: Callable) -> Callable:
     """``fn(params, batch) -> [B]``: each example's loss computed on a batch of one (``jax.vmap`` over examples),
     as ``mode="vmap"`` and the traced-program front-end evaluate ``loss_fn``."""
-    def alone(params, example):
-        losses = loss_fn(params, jax.tree.map(lambda x: x[None], example))
-        return jnp.reshape(losses, (-1,))[0]
-    return jax.vmap(alone, in_axes=(None, 0))
+    return jax.vmap(one_example_loss(loss_fn), in_axes=(None, 0))
 
 
 def check_per_example_loss(loss_fn: Callable, params, batch, *, has_aux: bool = False, rtol: float | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +19,14 @@ from dpzero_jax.layer_plan import (
 Array = jax.Array
 
 
+def one_example_loss(loss_fn: Callable) -> Callable:
+    """``fn(params, example) -> scalar``: ``loss_fn(params, batch) -> [B]`` on a batch of one (the example given a
+    leading axis of 1): how this mode -- and :func:`dpzero_jax.check_per_example_loss` -- evaluates one example."""
+    def loss(params, example):
+        return loss_fn(params, jax.tree.map(lambda x: x[None], example))[0]
+    return loss
+
+
 def _vmap(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None) -> _Clipped:
     if layout is not None:
         raise ValueError("mode='vmap' differentiates the loss per example and needs whole parameters; it cannot "
@@ -28,10 +38,7 @@ def _vmap(loss_fn, cfg: DPConfig, plan: Plan, params, batch, mask, layout=None) 
     thresholds = jnp.asarray(plan.thresholds)
     n_groups = len(plan.group_names)
 
-    def example_loss(params, example):
-        return loss_fn(params, jax.tree.map(lambda x: x[None], example))[0]
-
-    value_and_grads = jax.vmap(jax.value_and_grad(example_loss), in_axes=(None, 0))
+    value_and_grads = jax.vmap(jax.value_and_grad(one_example_loss(loss_fn)), in_axes=(None, 0))
 
     def step(acc, inputs):
         examples, keep = inputs

@@ -118,17 +118,3 @@ def _explain_conv(leaf_sites, method: str, size: int, reuse: bool = True) -> tup
     positions = sum(sites_lib.conv_positions(s) for s in leaf_sites)
     return "ghost", 4 * groups * math.prod(sites_lib.xs_lengths(leaf_sites[0])) * positions ** 2
 
-
-def _positions(site) -> int:
-    """Positions of one site per example (summed over the scan iterations of a leaf passed whole)."""
-    if site.kind == "conv":
-        t = conv.positions(site.eqn)
-    elif site.kind == "gather":
-        t = math.prod(site.eqn.invars[1].aval.shape[:-1])
-    else:
-        (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
-        data = site.eqn.invars[1 - site.param_operand].aval.shape
-        c_d, b_d = (lc, lb) if site.param_operand == 1 else (rc, rb)
-        t = math.prod(n for i, n in enumerate(data) if i not in c_d and i not in b_d)
-    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
-    return t * math.prod(n for n, lv in zip(site.lengths, levels) if lv == "const")
