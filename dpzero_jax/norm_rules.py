@@ -17,6 +17,7 @@ INSTANTIATION_COST = 60
 # operands) and held 3.7x the non-private step's temporaries. The bound keeps every weight the CPU benchmarks
 # instantiate, where the time rule is what makes book-keeping faster than the non-private step: at most 1.94x
 # (``experiments/bench_overhead.py``'s W3 at T 128: its untied head ``[256, 8192]``; its blocks' weights 1.6x).
+# Here, on shapes, it counts elements; the program front-end also counts bytes (``pergrad.kept_outweighs_operands``).
 INSTANTIATION_MEMORY_BOUND = 2
 
 

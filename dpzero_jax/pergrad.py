@@ -169,8 +169,9 @@ def kept_sum_and_sq_norm(uses: Sequence[PerExampleGrad], dtype=jnp.float32, shap
     return kept(rounded.astype(dtype)), direct_sq_norm(rounded, example_axis)
 
 
-def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> bool:
-    """Ghost norm or instantiation for one parameter, from static shapes.
+def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True,
+              kept_dtype=None) -> bool:
+    """Ghost norm or instantiation for one parameter, from static shapes (and, with ``kept_dtype``, the dtypes).
 
     ``"mixed"``: the space rule of paper 000 (Appendix A), ghost iff ``2 T^2 < rows * cols``.
     ``"fastest"``: a time rule for engines that reuse an instantiated gradient for the clipped sum (book-keeping):
@@ -192,6 +193,15 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
     for dense weights: the ghost kernel computes half of the ``T x T`` tile pairs, ``T^2 (rows + cols) / 2``
     multiply-adds, the instantiation kernel ``T rows cols``; ghost iff ``T (rows + cols) < 2 rows cols``. Embeddings
     keep the space rule (their instantiation is an XLA scatter).
+
+    ``kept_dtype`` (the engine on the traced program, which knows the dtypes: ``DPConfig.instantiated_dtype``): the
+    time rule's bound also in bytes -- a gradient the rule with reuse instantiates is normed by the ghost form
+    instead, and summed from the uses' operands and output gradients (which book-keeping holds anyway), where kept
+    in ``kept_dtype`` it would take more than ``INSTANTIATION_MEMORY_BOUND`` times those operands' bytes and the rule
+    without reuse takes the ghost norm too (:func:`kept_outweighs_operands`). The bound in elements lets GPT-2 XL's
+    tied table (``[50257, 1600]``, bfloat16 operands, one sequence of 1024 per TPU chip) be instantiated: 1.5x its
+    operands' elements, but its float32 gradient is 322 MB against their 109 MB, kept on the chip together with the
+    float32 clipped sum (the layer-wise step held 2.0x the non-private step's temporaries that way).
     """
     if any(isinstance(u, Direct) for u in uses):
         return False
@@ -201,15 +211,38 @@ def use_ghost(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", 
         return False
     if _kernels_decide(uses, kernel):
         return sum(u.positions for u in uses) * (uses[0].rows + uses[0].cols) < 2 * math.prod(uses[0].shape)
-    return shape_rule(method, *_rule_shape(uses), reuse)
+    if shape_rule(method, *_rule_shape(uses), reuse):
+        return True
+    return (method == "fastest" and reuse and kept_dtype is not None and kept_outweighs_operands(uses, kept_dtype)
+            and shape_rule(method, *_rule_shape(uses), reuse=False))
 
 
-def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True) -> str:
+def _operand_bytes(uses: Sequence[Outer]) -> int:
+    """Per-example bytes of the factored uses' operands (``[T, rows]`` or ids, ``[T, cols]``) at their dtypes."""
+    return sum(math.prod(u.left.shape[1:]) * jnp.dtype(u.left.dtype).itemsize
+               + math.prod(u.right.shape[1:]) * jnp.dtype(u.right.dtype).itemsize for u in uses)
+
+
+def kept_outweighs_operands(uses: Sequence[Outer], kept_dtype) -> bool:
+    """Whether a per-example gradient kept in ``kept_dtype`` holds more than ``INSTANTIATION_MEMORY_BOUND`` times
+    the bytes of the uses' per-example operands (the time rule's bound in bytes; see :func:`use_ghost`)."""
+    kept = math.prod(uses[0].shape) * jnp.dtype(kept_dtype).itemsize
+    return kept > INSTANTIATION_MEMORY_BOUND * _operand_bytes(uses)
+
+
+def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True,
+             kept_dtype=None) -> str:
     """Why :func:`use_ghost` picks the ghost norm where only the time rule's memory bound decides it (for
     ``explain_plan``); else ``""``."""
     if any(isinstance(u, Direct) for u in uses) or _kernels_decide(uses, kernel):
         return ""
-    return norm_rules.bound_note(method, *_rule_shape(uses), reuse)
+    note = norm_rules.bound_note(method, *_rule_shape(uses), reuse)
+    if note or shape_rule(method, *_rule_shape(uses), reuse) or not use_ghost(uses, method, kernel, reuse, kept_dtype):
+        return note
+    ratio = math.prod(uses[0].shape) * jnp.dtype(kept_dtype).itemsize / _operand_bytes(uses)
+    return (f"ghost by the time rule's memory bound in bytes: kept instantiated ({jnp.dtype(kept_dtype).name}) it "
+            f"would hold {ratio:.1f}x its operands' bytes (more than {INSTANTIATION_MEMORY_BOUND}x); summed from "
+            f"them")
 
 
 def _kernels_decide(uses: Sequence[Outer], kernel: str) -> bool:
@@ -314,8 +347,10 @@ def weighted_blocks(value: Array, coef: Array) -> Array:
     return jnp.einsum("kb,kbn->kn", weights, rows).reshape((k,) + value.shape[2:])
 
 
-def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla") -> Array:
-    """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, float32.
+def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla", dtype=jnp.float32) -> Array:
+    """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, in ``dtype`` (float32 unless asked otherwise:
+    an ``Outer`` use's contraction, or its rows' scatter, then writes the sum in ``dtype`` as the non-private
+    gradient of a parameter used at that precision does; ``Direct`` uses and the Pallas kernel stay float32).
 
     coef: ``[B]``. Examples with ``coef == 0`` contribute exactly zero even if their activations or output
     gradients are NaN or infinite. ``kernel="pallas"``: dense uses go through the weighted-sum kernel where the
@@ -331,13 +366,13 @@ def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla
         else:
             right = _zero_where_inactive(_f32(u.right), active) * coef[:, None, None]
             if u.left_is_ids:
-                flat = jnp.zeros((u.rows, u.cols), jnp.float32)
-                part = flat.at[u.left.reshape(-1)].add(right.reshape(-1, u.cols)).reshape(u.shape)
+                flat = jnp.zeros((u.rows, u.cols), dtype)
+                part = flat.at[u.left.reshape(-1)].add(right.reshape(-1, u.cols).astype(dtype)).reshape(u.shape)
             elif kernel == "pallas" and ghost_norm.has_kernel("weighted_sum", u.left, u.right):
                 part = ghost_norm.weighted_sum(u.left, u.right, coef).reshape(u.shape)
             else:
                 left = _zero_where_inactive(u.left, active)
                 part = jnp.einsum("btr,btc->rc", left, right.astype(left.dtype),
-                                  preferred_element_type=jnp.float32).reshape(u.shape)
+                                  preferred_element_type=dtype).reshape(u.shape)
         total = part if total is None else total + part
     return total

@@ -129,3 +129,68 @@ def test_layers_front_end_bk_respects_the_bound():
     assert not per_example_shapes(setup, cfg, (WIDTH, WIDTH))
     check_private(setup, clip_fn="abadi", groups="param-wise", mode="bk", norm_method="fastest")
 
+
+
+# The bound in bytes (the program front-end knows the dtypes): a tied [V, d] table at T positions per example,
+# used by a lookup and the head (2T positions, T dense). At V 4096, d 256, T 160 the time rule with reuse
+# instantiates it (ghost 320^2 256 + 160^2 4096 = 131.1M multiply-adds against 60 V d = 62.9M), the bound in
+# elements lets it (V d = 1.05M within 2x the 0.74M operand elements: 160 (4096 + 256) + 160 (1 + 256)), and the
+# rule without reuse takes the ghost norm ((60 + 160) V d = 230.7M). Counted in bytes, a float32 gradient of
+# 4.19 MB against bfloat16 operands of 1.47 MB (the head's [T, V] output gradient and [T, d] input, the lookup's
+# ids and [T, d] output gradient) is more than 2x: ghost, summed from the operands. Kept in bfloat16 (2.10 MB), or
+# against float32 operands (2.95 MB), it is within 2x: instantiated.
+TABLE_V, TABLE_D, TABLE_T = 4096, 256, 160
+
+
+class _TiedTable(nnx.Module):
+    def __init__(self, dtype, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(TABLE_V, TABLE_D, dtype=dtype, rngs=rngs)
+        self.mix = nnx.Linear(TABLE_D, TABLE_D, dtype=dtype, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.embed.attend(jnp.tanh(self.mix(self.embed(ids))))
+
+
+def _tied_table_setup(dtype) -> Setup:
+    graphdef, params = nnx.split(_TiedTable(dtype, rngs=nnx.Rngs(31)), nnx.Param)
+    rng = np.random.default_rng(32)
+    batch = {"ids": jnp.asarray(rng.integers(0, TABLE_V, (B, TABLE_T)), jnp.int32),
+             "y": jnp.asarray(rng.integers(0, TABLE_V, (B, TABLE_T)), jnp.int32)}
+
+    def loss_fn(p, b):
+        logp = jax.nn.log_softmax(nnx.merge(graphdef, p)(b["ids"]).astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, b["y"][..., None], -1)[..., 0], axis=-1)
+    return Setup(f"tied-table-{jnp.dtype(dtype).name}", params, loss_fn, batch, ())
+
+
+@pytest.fixture(scope="module")
+def bf16_table():
+    return _tied_table_setup(jnp.bfloat16)
+
+
+def _table_row(setup, **options):
+    cfg = dz.DPConfig(noise_multiplier=0.0, max_grad_norm=1.0, mode="bk", norm_method="fastest",
+                      front_end="program", **options)
+    return {r["path"]: r for r in dz.explain_plan(setup.loss_fn, cfg, setup.params, setup.batch).rows}[
+        "embed/embedding"], cfg
+
+
+def test_the_bound_in_bytes_ghost_norms_a_bf16_tied_table(bf16_table):
+    row, cfg = _table_row(bf16_table)
+    assert row["method"] == "ghost"
+    assert "bytes" in row["why"] and "2.8x its operands' bytes" in row["why"]     # 4194304 / 1474880
+    # the engine as explained: no per-example [V, d] array in the traced step, and exact against vmap(grad)
+    assert not per_example_shapes(bf16_table, cfg, (TABLE_V, TABLE_D))
+    check_private(bf16_table, clip_fn="abadi", groups="all-layer", mode="bk", norm_method="fastest",
+                  front_end="program", rtol=3e-2, norm_rtol=2e-2, floor=3e-2)
+    # fused mode book-keeps the tied table's group (two sites) in its one pass: the same rule, the same sum
+    check_private(bf16_table, clip_fn="abadi", groups="layer-wise", mode="fused", norm_method="fastest",
+                  front_end="program", rtol=3e-2, norm_rtol=2e-2, floor=3e-2)
+
+
+def test_the_bound_in_bytes_keeps_what_holds_within_it(bf16_table):
+    row, cfg = _table_row(bf16_table, instantiated_dtype="bfloat16")
+    assert row["method"] == "instantiate"
+    assert per_example_shapes(bf16_table, cfg, (TABLE_V, TABLE_D))
+    row, _ = _table_row(_tied_table_setup(jnp.float32))
+    assert row["method"] == "instantiate" and row["why"] == ""

@@ -49,8 +49,11 @@ def test_trainer_explicit_strategy_on_standard_flax_layers(tmp_path):
                                       **extra))
         eight = trainer.run()
         assert any(leaf.sharding.spec != P() for leaf in jax.tree.leaves(eight.params))
+        # bf16: each device's clipped sum is formed in bf16 (as the non-private bf16 gradient is) and rounded
+        # before the devices' sums are added, one device's once: the updates agree to bf16's precision
+        atol = 3e-5 if name == "bf16" else 1e-6
         for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(eight.params), strict=True):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=atol)
     # bf16 compute: each sharded kernel is cast to bf16 before its gather (the layer casts it anyway). Read from the
     # lowered program: XLA:CPU widens bf16 collectives when it compiles.
     gathered = re.findall(r"all_gather.*?-> tensor<[\dx]*x(\w+)>", trainer.lower_step().as_text())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dpzero_jax import pergrad
@@ -48,7 +47,8 @@ def explain(plan: ProgramPlan, params, cfg=None, summed_elsewhere: frozenset = f
             elif "conv" in kinds:
                 how, nbytes = _explain_conv(leaf_sites, method, size, reuse=i not in summed_elsewhere)
             else:
-                how, nbytes, why = _factored_row(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere)
+                how, nbytes, why = _factored_row(leaf_sites, method, kernel, size, reuse=i not in summed_elsewhere,
+                                                 kept_dtype=getattr(cfg, "instantiated_dtype", "float32"))
         rows.append({"path": path, "rule": rule, "method": how, "per_example_bytes": int(nbytes),
                      "group": group_label(plan, plan.group_of[path]), "why": why})
     return rows
@@ -63,15 +63,17 @@ def group_label(plan: ProgramPlan, group: int) -> str:
     return f"{first[:-1]}..{last[last.rindex('[') + 1:]}"
 
 
-def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True) -> tuple[str, int]:
+def factored_form(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True,
+                  kept_dtype="float32") -> tuple[str, int]:
     """``(method, per-example bytes)`` of a leaf used by dot / gather sites, as book-keeping decides: the sites'
-    factors (shapes only, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one example)
-    go through the rule of :func:`dpzero_jax.program.mode._outer_norm_and_sum`; uses whose blocks or layouts
-    differ are instantiated."""
-    return _factored_row(leaf_sites, method, kernel, size, reuse)[:2]
+    factors (shapes and dtypes, from ``jax.eval_shape`` of :func:`~dpzero_jax.program.sites.factored` on one
+    example) go through the rule of :func:`dpzero_jax.program.mode._outer_norm_and_sum` (an instantiated gradient
+    kept in ``kept_dtype``); uses whose blocks or layouts differ are instantiated."""
+    return _factored_row(leaf_sites, method, kernel, size, reuse, kept_dtype)[:2]
 
 
-def _factored_row(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True) -> tuple[str, int, str]:
+def _factored_row(leaf_sites, method: str, kernel: str, size: int, reuse: bool = True,
+                  kept_dtype="float32") -> tuple[str, int, str]:
     """:func:`factored_form` and its reason where the time rule's memory bound alone picks the ghost norm (else
     ``""``)."""
     factored = _abstract_uses(leaf_sites)
@@ -79,9 +81,9 @@ def _factored_row(leaf_sites, method: str, kernel: str, size: int, reuse: bool =
         return "instantiate", 4 * size, ""
     uses, blocks = factored
     kernel = kernel if blocks == 1 else "xla"
-    if pergrad.use_ghost(uses, method, kernel, reuse):
+    if pergrad.use_ghost(uses, method, kernel, reuse, kept_dtype):
         positions = sum(u.positions for u in uses)
-        return "ghost", 4 * blocks * positions ** 2, pergrad.use_note(uses, method, kernel, reuse)
+        return "ghost", 4 * blocks * positions ** 2, pergrad.use_note(uses, method, kernel, reuse, kept_dtype)
     return "instantiate", 4 * size, ""
 
 
@@ -100,13 +102,14 @@ def _abstract_uses(leaf_sites):
             f = sites_lib.factored(site, ops, g)
             static.update(rows=f.rows, ids=f.left_is_ids, structure=f.structure[1:])
             return f.left, f.right
-        left, right = jax.eval_shape(shapes, operands, jax.ShapeDtypeStruct(lead + tuple(out.shape), jnp.float32))
-        factors.append(((left.shape[0],) + left.shape[2:], (right.shape[0],) + right.shape[2:], static))
-    if len({f[2]["structure"] + (f[0][0],) for f in factors}) > 1:      # as mode._same_blocks: no shared cross terms
+        left, right = jax.eval_shape(shapes, operands, jax.ShapeDtypeStruct(lead + tuple(out.shape), out.dtype))
+        factors.append((jax.ShapeDtypeStruct((left.shape[0],) + left.shape[2:], left.dtype),
+                        jax.ShapeDtypeStruct((right.shape[0],) + right.shape[2:], right.dtype), static))
+    if len({f[2]["structure"] + (f[0].shape[0],) for f in factors}) > 1:   # as mode._same_blocks: no shared cross terms
         return None
-    uses = [pergrad.Outer(jax.ShapeDtypeStruct(left, jnp.float32), jax.ShapeDtypeStruct(right, jnp.float32),
-                          st["rows"], (st["rows"], right[-1]), st["ids"]) for left, right, st in factors]
-    return uses, factors[0][0][0]
+    uses = [pergrad.Outer(left, right, st["rows"], (st["rows"], right.shape[-1]), st["ids"])
+            for left, right, st in factors]
+    return uses, factors[0][0].shape[0]
 
 
 def _explain_conv(leaf_sites, method: str, size: int, reuse: bool = True) -> tuple[str, int]:

@@ -94,7 +94,8 @@ def _saves_memory(leaf_sites, cfg, size: int) -> bool:
     kernel = "pallas" if cfg.norm_kernel == "pallas" else "xla"
 
     def instantiated(reuse: bool) -> bool:
-        return explanation.factored_form(leaf_sites, cfg.norm_method, kernel, n, reuse=reuse)[0] == "instantiate"
+        return explanation.factored_form(leaf_sites, cfg.norm_method, kernel, n, reuse=reuse,
+                                         kept_dtype=cfg.instantiated_dtype)[0] == "instantiate"
     kept = 4 * n + (jnp.dtype(cfg.instantiated_dtype).itemsize * size * n if instantiated(True) else 0)
     scaled = sum(size * math.prod(s.out_aval.shape) * s.out_aval.dtype.itemsize for s in leaf_sites)
     return scaled + (4 * size * n if instantiated(False) else 0) < kept

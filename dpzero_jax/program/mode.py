@@ -303,7 +303,7 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
     uses = _outer_uses(factored, examples_major=examples_major)
     if k > 1:
         kernel = "xla"
-    ghost = pergrad.use_ghost(uses, method, kernel, reuse)
+    ghost = pergrad.use_ghost(uses, method, kernel, reuse, kept_dtype=dtype)
     shape = (batch, k) if examples_major else (k, batch)
     if not ghost and kernel == "xla" and reuse:
         dense, sq = pergrad.kept_sum_and_sq_norm(uses, dtype, shape + (uses[0].rows, uses[0].cols),
@@ -319,9 +319,16 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
 
     def clipped(coef):
         if k == 1:
-            return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel)[None]
+            return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel, _sum_dtype(factored))[None]
         return _blocked_weighted_sum(factored, coef)
     return sq, clipped
+
+
+def _sum_dtype(factored):
+    """The precision a leaf's clipped sum is formed at from its records: the widest of the dtypes its sites take
+    the parameter in -- what the non-private gradient's contractions write (a bfloat16 view of a float32 parameter:
+    bfloat16, then cast), as ghost mode's weight paths and fused mode's taps do."""
+    return jnp.result_type(*(s.eqn.invars[s.param_operand].aval.dtype for s, _ in factored))
 
 
 def _blocked_weighted_sum(factored, coef):
