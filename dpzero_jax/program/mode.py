@@ -320,7 +320,7 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
     def clipped(coef):
         if k == 1:
             return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel, _sum_dtype(factored))[None]
-        return _blocked_weighted_sum(factored, coef)
+        return _blocked_weighted_sum(factored, coef, _sum_dtype(factored))
     return sq, clipped
 
 
@@ -331,9 +331,9 @@ def _sum_dtype(factored):
     return jnp.result_type(*(s.eqn.invars[s.param_operand].aval.dtype for s, _ in factored))
 
 
-def _blocked_weighted_sum(factored, coef):
-    """``[K, rows, cols]``: ``sum_i coef_i G_{i,k}`` for every block ``k`` at once (one contraction per use);
-    examples with ``coef == 0`` selected away before multiplying (NaN-safe)."""
+def _blocked_weighted_sum(factored, coef, dtype=jnp.float32):
+    """``[K, rows, cols]`` in ``dtype``: ``sum_i coef_i G_{i,k}`` for every block ``k`` at once (one contraction
+    per use); examples with ``coef == 0`` selected away before multiplying (NaN-safe)."""
     active = coef != 0
     scale = coef.astype(jnp.float32)
     total = 0.0
@@ -342,10 +342,10 @@ def _blocked_weighted_sum(factored, coef):
         k = f.right.shape[0]
         if f.left_is_ids:
             blocks = jnp.broadcast_to(jnp.arange(k)[:, None, None], f.left.shape)
-            part = jnp.zeros((k, f.rows, f.right.shape[-1]), jnp.float32).at[blocks, f.left].add(right)
+            part = jnp.zeros((k, f.rows, f.right.shape[-1]), dtype).at[blocks, f.left].add(right.astype(dtype))
         else:
             left = jnp.where(active[None, :, None, None], f.left, jnp.zeros((), f.left.dtype))
-            part = jnp.einsum("kbtr,kbtc->krc", left, right.astype(left.dtype), preferred_element_type=jnp.float32)
+            part = jnp.einsum("kbtr,kbtc->krc", left, right.astype(left.dtype), preferred_element_type=dtype)
         total = total + part
     return total
 
