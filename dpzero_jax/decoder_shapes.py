@@ -268,6 +268,17 @@ def weights(config: DecoderConfig) -> list[Weight]:
     return out
 
 
+def lora_weights(config: DecoderConfig, rank: int) -> list[Weight]:
+    """The adapters ``dpzero_jax.peft.apply(model, "lora", rank=rank)`` adds with its default targets (every dense
+    layer of the blocks' attention and MLP; not the LM head): per ``[rows, cols]`` kernel, ``lora_a`` ``[rows,
+    rank]`` and ``lora_b`` ``[rank, cols]``, in forward order."""
+    out = []
+    for w in weights(config):
+        if w.is_matrix and w.path.endswith("/kernel") and w.path.startswith(("h/", "layers/")):
+            out += [Weight(f"{w.layer}/lora_a/kernel", w.rows, rank), Weight(f"{w.layer}/lora_b/kernel", rank, w.cols)]
+    return out
+
+
 def activation_bytes_per_token(config: DecoderConfig, seq: int, precision: str) -> tuple[int, int]:
     """``(per block, LM head)`` bytes the backward keeps per token -- an estimate, without recomputation.
 

@@ -30,6 +30,10 @@
   the largest buffer (``dp_extra``); ``dp_extra_all_layers`` is the sum, the bound for a schedule that kept every
   layer's buffer alive.
 
+With ``peft="lora"`` (``--peft lora``) the trained parameters are the LoRA adapters (``Psi_a``; their model
+states, norms and DP gradient shard), and the frozen base is held at the compute precision, partitioned like the
+parameters (``frozen base weights``).
+
 Everything is in bytes, per device, on the per-device batch ``batch / devices``; the model states are partitioned
 over ``shards`` of the devices (``F``, a mesh's ``fsdp`` axis; default all ``N``). The model
 (:class:`~dpzero_jax.decoder_shapes.DecoderConfig`, :mod:`dpzero_jax.decoder_shapes`) is exactly the project's
@@ -57,6 +61,7 @@ from dpzero_jax.decoder_shapes import (  # noqa: F401  (DecoderConfig, PRESETS, 
     Weight,
     activation_bytes_per_token,
     config_from_dict,
+    lora_weights,
     resolve_model,
     weights,
 )
@@ -65,6 +70,7 @@ from dpzero_jax.step_memory import Term, block_remat_terms, largest_phase, non_p
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
 PLANNED_REMAT = ("none", "block")
+PLANNED_PEFT = (None, "lora")
 GiB = 2**30
 
 # The Llama-family presets' parameter counts as published with the checkpoints (``num_parameters()`` of the
@@ -88,11 +94,12 @@ class NormBuffer:
     bytes: int
 
 
-def norm_buffers(config: DecoderConfig, batch_per_device: int, seq: int) -> list[NormBuffer]:
-    """Per trainable array, the mixed-rule choice and its buffer (fp32) on ``batch_per_device`` examples of ``seq``
-    tokens: ghost iff ``2 T^2 < rows * cols`` (paper 000, Appendix A), ``T = uses * seq``."""
+def norm_buffers(config: DecoderConfig, batch_per_device: int, seq: int, lora_rank: int = 0) -> list[NormBuffer]:
+    """Per trainable array (the LoRA adapters with ``lora_rank``), the mixed-rule choice and its buffer (fp32) on
+    ``batch_per_device`` examples of ``seq`` tokens: ghost iff ``2 T^2 < rows * cols`` (paper 000, Appendix A),
+    ``T = uses * seq``."""
     out = []
-    for w in weights(config):
+    for w in lora_weights(config, lora_rank) if lora_rank else weights(config):
         if not w.is_matrix:
             out.append(NormBuffer(w.path, False, 4 * batch_per_device * w.size))
             continue
@@ -125,6 +132,9 @@ class MemoryPlan:
     remat: str = "none"
     shards: int = 0                         # F: devices sharing the ZeRO partition (0: all ``devices``)
     temporaries: tuple[Term, ...] = ()      # remat='block': the compiled step's named buffers (step_memory)
+    lora_rank: int = 0                      # > 0: LoRA adapters trained (n_trainable), the base frozen
+    n_trainable: int = 0                    # parameters trained (n_params without LoRA)
+    frozen: int = 0                         # the frozen base's bytes (LoRA), compute precision
 
     @property
     def batch_per_device(self) -> int:
@@ -132,7 +142,7 @@ class MemoryPlan:
 
     @property
     def model_states(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
+        return self.parameters + self.gradients + self.optimizer_state + self.frozen
 
     @property
     def total_non_dp(self) -> int:
@@ -167,12 +177,15 @@ class MemoryPlan:
         ]
 
     def _state_rows(self, half: bool, partition: str) -> list[tuple[str, int, str]]:
-        return [
-            ("parameters", self.parameters, f"{'2 (16-bit)' if half else '4 (fp32)'} x Psi"
+        psi = "Psi_a" if self.lora_rank else "Psi"
+        frozen = [("frozen base weights", self.frozen, f"{'2' if half else '4'} x Psi (LoRA: not trained)"
+                   + (partition if self.zero == 3 else ""))] if self.lora_rank else []
+        return frozen + [
+            ("parameters", self.parameters, f"{'2 (16-bit)' if half else '4 (fp32)'} x {psi}"
              + (partition if self.zero == 3 else "")),
-            ("gradients", self.gradients, f"{'2' if half else '4'} x Psi" + (partition if self.zero >= 2 else "")),
+            ("gradients", self.gradients, f"{'2' if half else '4'} x {psi}" + (partition if self.zero >= 2 else "")),
             ("optimizer state", self.optimizer_state,
-             f"{'12 (master, m, v)' if half else '8 (m, v)'} x Psi" + (partition if self.zero >= 1 else "")),
+             f"{'12 (master, m, v)' if half else '8 (m, v)'} x {psi}" + (partition if self.zero >= 1 else "")),
         ]
 
     def _block_rows(self, stage: str, half: bool, partition: str) -> list[tuple[str, int, str]]:
@@ -195,8 +208,10 @@ class MemoryPlan:
         """A plain-text table of the breakdown (GiB per device)."""
         m = self.model
         kv = f" ({m.kv_heads} key/value)" if m.kv_heads != m.n_head else ""
+        lora = (f"LoRA rank {self.lora_rank} on the blocks' dense layers: {self.n_trainable:,} trained (Psi_a), "
+                f"the base frozen\n") if self.lora_rank else ""
         head = (f"{m.name}: {self.n_params:,} parameters ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads"
-                f"{kv}, {m.family} family, vocab {m.vocab}, {'tied' if m.tied else 'untied'} head)\n"
+                f"{kv}, {m.family} family, vocab {m.vocab}, {'tied' if m.tied else 'untied'} head)\n{lora}"
                 f"{self.devices} device(s), batch {self.batch} ({self.batch_per_device} per device), seq {self.seq}, "
                 f"{self.precision}, ZeRO stage {self.zero}; bytes per device\n")
         rows = self.rows()
@@ -237,7 +252,8 @@ def model_state_bytes(n_params: int, devices: int, precision: str, zero: int) ->
 
 
 def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq: int, precision: str = "bf16",
-                zero: int = 3, remat: str = "none", shards: int | None = None) -> MemoryPlan:
+                zero: int = 3, remat: str = "none", shards: int | None = None, peft: str | None = None,
+                lora_rank: int = 8) -> MemoryPlan:
     """Per-device memory of a DP-ZeRO Adam step.
 
     model: a preset (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``gpt-j-6b``, ``gpt3-175b``,
@@ -249,7 +265,11 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
     precision, and one block's activations are rebuilt at a time; the temporaries are the compiled step's named
     buffers of :mod:`dpzero_jax.step_memory`, checked against TPU compiles). shards: ``F``, the devices sharing the
     ZeRO partition (a mesh's ``fsdp`` axis; the others hold replicas and split the batch), a divisor of
-    ``devices``; default ``devices``.
+    ``devices``; default ``devices``. peft: ``"lora"`` trains rank-``lora_rank`` adapters on the blocks' dense
+    layers (:func:`~dpzero_jax.decoder_shapes.lora_weights`, as ``dpzero train --peft lora``) and freezes the base:
+    the model states are the adapters' (``Psi_a``) plus the frozen base at the compute precision, partitioned like
+    the parameters (the trainer passes it to the step as sharded arguments); the norms and the DP step's gradient
+    shard are the adapters'.
     """
     config = resolve_model(model)
     _check_positive_int("devices", devices)
@@ -269,27 +289,32 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
         raise ValueError(f"batch={batch} is not divisible by devices={devices}")
     if seq > config.n_ctx:
         raise ValueError(f"seq={seq} exceeds the context n_ctx={config.n_ctx} of model {config.name!r}")
+    if peft not in PLANNED_PEFT:
+        raise ValueError(f"peft must be one of {PLANNED_PEFT}, got {peft!r}")
+    rank = _check_positive_int("lora_rank", lora_rank) if peft == "lora" else 0
     n_params = config.n_params
-    parameters, gradients, optimizer_state = model_state_bytes(n_params, shards, precision, zero)
+    trained = sum(w.size for w in lora_weights(config, rank)) if rank else n_params
+    parameters, gradients, optimizer_state = model_state_bytes(trained, shards, precision, zero)
     compute_bytes = 4 if precision == "fp32" else 2
+    frozen = compute_bytes * (-(-n_params // shards) if zero == 3 else n_params) if rank else 0
     layer_sizes: dict[str, int] = {}
     for w in weights(config):
         layer_sizes[w.layer] = layer_sizes.get(w.layer, 0) + w.size
     gathered = compute_bytes * max(layer_sizes.values()) if zero == 3 and shards > 1 else 0
     per_device = batch // devices
     block, head = activation_bytes_per_token(config, seq, precision)
-    buffers = tuple(norm_buffers(config, per_device, seq))
+    buffers = tuple(norm_buffers(config, per_device, seq, rank))
     dp_extra, terms = max(b.bytes for b in buffers), ()
     if remat == "block":   # the compiled step's buffers (step_memory): gathered weights are one of them
-        terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, n_params, zero,
-                                  replicas=devices // shards)
+        terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, trained, zero,
+                                  replicas=devices // shards, lora_rank=rank)
         activations = peak_bytes(non_private(terms))
         dp_extra, gathered = peak_bytes(terms) - activations, 0
     else:
         activations = per_device * seq * (config.n_layer * block + head)
     return MemoryPlan(config, devices, batch, seq, precision, zero, n_params, parameters, gradients, optimizer_state,
                       gathered, activations, dp_extra, sum(b.bytes for b in buffers), buffers, remat,
-                      shards, terms)
+                      shards, terms, rank, trained, frozen)
 
 
 def format_sizes() -> str:
@@ -341,6 +366,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                   "fsdp axis), a divisor of N (default N)")
     parser.add_argument("--remat", default="none", help=f"one of {', '.join(PLANNED_REMAT)}: the model's remat "
                                                         "policy (default none)")
+    parser.add_argument("--peft", default=None, choices=("lora",), help="lora: plan LoRA fine-tuning (adapters on "
+                        "the blocks' dense layers trained, the base frozen)")
+    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8; with --peft lora)")
     parser.add_argument("--sizes", action="store_true", help="print paper 000 Table 2's model sizes and exit")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -355,7 +383,7 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError("--batch is required")
     config = resolve_model(args.model)
     plan = plan_memory(config, args.devices, args.batch, config.n_ctx if args.seq is None else args.seq,
-                       args.precision, args.zero, args.remat, args.shards)
+                       args.precision, args.zero, args.remat, args.shards, args.peft, args.lora_rank)
     if args.json:
         return json.dumps(plan.to_dict(), indent=2)
     return plan.format_table()

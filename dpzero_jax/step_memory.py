@@ -48,6 +48,11 @@ rule) adds, measured the same way:
 
 The ghost norms' ``T x T`` Grams of one weight at a time are small next to these (``2 b T^2`` fp32).
 
+With LoRA (``lora_rank``; the base frozen, the adapters of :func:`~dpzero_jax.decoder_shapes.lora_weights`
+trained) the same buffers, but a block's backward forms only its adapters' gradient, ``p_a`` a block (the stacked
+and unsharded gradients, the DP step's gradient shard ``4 ceil(Psi_a / F)``), its gathered weights are the base
+block's and the adapters, ``c (p_l + p_a)``, and the frozen table has no gradient phase and no DP buffer.
+
 The multiplicities (two gathered copies, two logits copies, ...) are the buffers counted in the compiled programs
 of ``experiments/tpu_aot.py`` (GPT-2 XL on the standard-Flax-layer model, GPT-J-6B and Llama-2-7B on 256 v5e
 chips); ``docs/planner.md`` lists how far the model is from the compiled bytes, on the shapes it was written from
@@ -56,7 +61,7 @@ gathers some weights ahead of their block).
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded: GPT-2 XL's 64-way shards
 of ``d = 1600`` are 25 wide), the allocator's packing, what the compiler puts in on-chip memory (about 0.11 GiB on
-v5e, outside ``memory_analysis()``'s temporaries), LoRA / frozen weights, ``remat='dots'``, the DP options that
+v5e, outside ``memory_analysis()``'s temporaries), ``remat='dots'``, the DP options that
 change the tied table's buffers (``instantiated_dtype='bfloat16'`` halves its per-example part; ``norm_method=
 'mixed'`` takes its ghost norm instead: ``docs/benchmarks/tpu_aot.md``).
 """
@@ -65,7 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpzero_jax.decoder_shapes import DecoderConfig, weights
+from dpzero_jax.decoder_shapes import DecoderConfig, lora_weights, weights
 from dpzero_jax.norm_rules import shape_rule
 from dpzero_jax.shard_layout import shard_axis
 
@@ -83,10 +88,12 @@ class Term:
     formula: str
 
 
-def block_parameters(config: DecoderConfig) -> int:
-    """``p_l``: trainable parameters of one block (the first; every block has the same shapes)."""
+def block_parameters(config: DecoderConfig, lora_rank: int = 0) -> int:
+    """``p_l``: parameters of one block (the first; every block has the same shapes); with ``lora_rank``, of its
+    LoRA adapters."""
     first = "h/0" if config.family == "gpt2" else "layers/0"
-    return sum(w.size for w in weights(config) if w.layer.startswith(first + "/") or w.layer == first)
+    arrays = lora_weights(config, lora_rank) if lora_rank else weights(config)
+    return sum(w.size for w in arrays if w.layer.startswith(first + "/") or w.layer == first)
 
 
 def per_token_block_numbers(config: DecoderConfig) -> int:
@@ -134,19 +141,23 @@ def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
 
 
 def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, shards: int, compute_bytes: int,
-                      n_params: int, zero: int, replicas: int = 1) -> tuple[Term, ...]:
+                      n_params: int, zero: int, replicas: int = 1, lora_rank: int = 0) -> tuple[Term, ...]:
     """The named buffers of a compiled DP step with ``remat='block'`` (see the module docstring): the non-private
-    step's, then the DP step's extra ones (names starting with ``DP:``; :func:`non_private` leaves them out)."""
+    step's, then the DP step's extra ones (names starting with ``DP:``; :func:`non_private` leaves them out).
+    ``n_params``: the trainable parameters. ``lora_rank``: LoRA on the default targets, the base frozen (gathered
+    like trained weights, no gradient; only the adapters' gradients, ``p_a`` a block, are formed)."""
     b, t, c = batch_per_device, seq, compute_bytes
     d, v, h, layers = config.d_model, config.vocab, config.n_head, config.n_layer
-    p_l = block_parameters(config)
+    p_l, p_a = block_parameters(config), block_parameters(config, lora_rank) if lora_rank else 0
+    p_g, g = (p_a, "p_a") if lora_rank else (p_l, "p_l")   # what a block's backward forms a gradient of
     gathered = zero == 3 and shards > 1
     terms = [
         Term("block inputs (scan carries)", "always", layers * b * t * d * c, "L b T d c"),
-        Term("stacked block gradients, compute precision", "always", c * -(-layers * p_l // shards),
-             "c ceil(L p_l / F)"),
-        Term("block weights, gathered", "block backward", c * p_l if gathered else 0, "c p_l (ZeRO-3)"),
-        Term("block weight gradient, unsharded", "block backward", c * p_l, "c p_l"),
+        Term("stacked block gradients, compute precision", "always", c * -(-layers * p_g // shards),
+             f"c ceil(L {g} / F)"),
+        Term("block weights, gathered", "block backward", c * (p_l + p_a) if gathered else 0,
+             "c (p_l + p_a) (ZeRO-3)" if lora_rank else "c p_l (ZeRO-3)"),
+        Term("block weight gradient, unsharded", "block backward", c * p_g, f"c {g}"),
         Term("attention probabilities and gradients", "block backward", b * h * t * t * attention_bytes(config, c),
              "b h T^2 x (GPT-2: 3 c; Llama: 4 + 4 + c)"),
         Term("block activations", "block backward", b * t * c * per_token_block_numbers(config), "b T c x"),
@@ -160,10 +171,11 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     # product), a vocabulary-sharded one's in shards
     table_share = -(-v * d // shards) if gathered and not d_sharded else v * d
     terms.append(Term("lookup + head table gradients, whole, compute precision", "table gradient",
-                      2 * c * v * d if d_sharded and replicas > 1 else 0, "2 c V d (d-sharded table, data axis > 1)"))
+                      2 * c * v * d if d_sharded and replicas > 1 and not lora_rank else 0,
+                      "2 c V d (d-sharded trained table, data axis > 1)"))
     terms.append(Term("DP: clipped + noised gradient shard", "block backward", 4 * -(-n_params // shards),
-                      "4 ceil(Psi / F)"))
-    booked = config.tied and not tied_table_weighted(config, b, t, c)
+                      "4 ceil(Psi_a / F)" if lora_rank else "4 ceil(Psi / F)"))
+    booked = config.tied and not lora_rank and not tied_table_weighted(config, b, t, c)
     terms.append(Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head",
                       4 * (b + 1) * table_share if booked else 0,
                       "4 (b + 1) V d (tied and book-kept; / F when the table is vocabulary-sharded)"))

@@ -89,7 +89,8 @@ def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
         shape = dict(item.split("=") for item in point["mesh"].split(","))
         devices = int(shape["data"]) * int(shape["fsdp"])
         plan = planner.plan_memory(config, devices, devices * point["examples_per_chip"], point["T"], "bf16", 3,
-                                   remat="block", shards=int(shape["fsdp"]))
+                                   remat="block", shards=int(shape["fsdp"]),
+                                   peft="lora" if case.lora_rank else None, lora_rank=case.lora_rank or 8)
         compiled = point["argument_bytes"] + point["temp_bytes"]
         mine = plan.total if variant == "dp" else plan.total_non_dp
         allocated = point.get("default_space_bytes")
@@ -102,7 +103,8 @@ def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="gpt2-xl,gptj-6b,llama2-7b", help="cached tpu_aot cases to compare")
+    parser.add_argument("--cases", default="gpt2-xl,gptj-6b,llama2-7b,llama2-70b-lora",
+                        help="cached tpu_aot cases to compare")
     parser.add_argument("--compile", action="append", default=[], help="case@topology[:key=value,...] to compile")
     parser.add_argument("--variants", default="nonprivate,dp")
     parser.add_argument("--out", default=DEFAULT_OUT)

@@ -2,6 +2,7 @@
 published checkpoints' parameter counts, ``transformers`` models built from the same ``config.json``, and the
 engine's own plan of the project's :class:`~dpzero_jax.models.Llama`."""
 
+import argparse
 import math
 
 import hf_helpers
@@ -104,3 +105,57 @@ def test_shards_partition_the_model_states_not_the_batch():
 def test_bad_configs_name_the_problem(values, message):
     with pytest.raises(ValueError, match=message):
         planner.config_from_dict(values)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lora_adapters_are_those_peft_adds(family):
+    """``lora_weights`` (what ``dpzero plan --peft lora`` trains) against the trainable leaves of
+    ``peft.apply(model, "lora", rank=4)`` on the project's model of the same shapes: the same count."""
+    if family == "llama":
+        c = dz.models.LlamaConfig(vocab_size=29, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8,
+                                  scan_layers=False)
+        make = lambda: dz.models.Llama(c, rngs=nnx.Rngs(0))   # noqa: E731
+        ours = planner.DecoderConfig("t", 2, 16, 4, 29, 8, d_ff=24, tied=c.tie_word_embeddings, family="llama",
+                                     n_kv_head=2)
+    else:
+        c = dz.models.GPT2Config(vocab_size=29, n_positions=8, n_embd=16, n_layer=2, n_head=4)
+        make = lambda: dz.models.GPT2(c, rngs=nnx.Rngs(0))   # noqa: E731
+        ours = planner.DecoderConfig("t", 2, 16, 4, 29, 8)
+    model, trainable = dz.peft.apply(nnx.eval_shape(make), "lora", rank=4, key=jax.random.key(0))
+    expected = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, trainable)))
+    assert sum(w.size for w in planner.lora_weights(ours, 4)) == expected
+    base = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))) - expected
+    assert ours.n_params == base
+
+
+def test_lora_plan_trains_the_adapters_and_holds_the_base_frozen():
+    """LoRA rank 8 on Llama 2 70B, 128 chips (the AOT case of experiments/tpu_aot.py), counted by hand: adapters
+    ``8 (rows + cols)`` per block kernel, ``Psi_a = 80 x 8 x (2 (d + d) + 2 (d + 1024) + 3 (d + 28672))``; model
+    states ``16 Psi_a / 128`` trained plus the frozen base in bf16, ``2 Psi / 128``; temporaries as for a full
+    fine-tuning but a block's gradient is its adapters' (``p_a``) and its gathered weights ``2 (p_l + p_a)``; the
+    DP step adds the adapters' fp32 shard, ``4 Psi_a / 128``."""
+    d, f, kv, psi = 8192, 28672, 1024, 68_976_648_192
+    p_a = 8 * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
+    psi_a = 80 * p_a
+    plan = planner.plan_memory("llama-2-70b", 128, 128, 2048, "bf16", 3, remat="block", peft="lora", lora_rank=8)
+    assert plan.n_trainable == psi_a == 103_546_880 and plan.n_params == psi
+    assert plan.frozen == 2 * -(-psi // 128)
+    assert plan.model_states == plan.frozen + 16 * -(-psi_a // 128)
+    p_l = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
+    always = 80 * 2048 * d * 2 + -(-2 * 80 * p_a // 128)
+    block = 2 * (p_l + p_a) + 2 * p_a + 64 * 2048**2 * 10 + 2048 * 2 * (4 * d + 2 * d + 2 * kv + 3 * f)
+    assert plan.activations == always + block
+    assert plan.dp_extra == 4 * -(-psi_a // 128)
+    full = planner.plan_memory("llama-2-70b", 128, 128, 2048, "bf16", 3, remat="block")
+    # full fine-tuning: gathered weights and their gradient 2 (p_l + p_l), stacked gradients of p_l a block
+    assert full.activations - plan.activations == (2 * p_l - 2 * (p_l + p_a)) + 2 * (p_l - p_a) + (
+        -(-2 * 80 * p_l // 128) + (2 * 80 * p_a // -128))
+    text = planner.run(argparse.Namespace(model="llama-2-70b", devices=128, batch=128, seq=2048, precision="bf16",
+                                          zero=3, remat="block", shards=None, peft="lora", lora_rank=8, sizes=False,
+                                          json=False))
+    assert "LoRA rank 8" in text and "103,546,880 trained" in text and "frozen base weights" in text
+    with pytest.raises(ValueError, match="peft must be one of"):
+        planner.plan_memory("llama-2-7b", 1, 1, 16, peft="dora")
+    with pytest.raises(ValueError, match="lora_rank"):
+        planner.plan_memory("llama-2-7b", 1, 1, 16, peft="lora", lora_rank=0)
