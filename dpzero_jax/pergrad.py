@@ -347,10 +347,14 @@ def weighted_blocks(value: Array, coef: Array) -> Array:
     return jnp.einsum("kb,kbn->kn", weights, rows).reshape((k,) + value.shape[2:])
 
 
-def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla", dtype=jnp.float32) -> Array:
+def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla", dtype=jnp.float32,
+                 scatter_apart: bool = False) -> Array:
     """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, in ``dtype`` (float32 unless asked otherwise:
     an ``Outer`` use's contraction, or its rows' scatter, then writes the sum in ``dtype`` as the non-private
     gradient of a parameter used at that precision does; ``Direct`` uses and the Pallas kernel stay float32).
+    ``scatter_apart``: an embedding use's scatter-add is formed into zeros behind an ``optimization_barrier``, not
+    folded into the other uses' sum (under GSPMD a tied table's ``d``-sharded sum was otherwise all-gathered again
+    to scatter into: GPT-2 XL's layer-wise step on 256 TPU chips moved one more ``[V, d]`` gather a step).
 
     coef: ``[B]``. Examples with ``coef == 0`` contribute exactly zero even if their activations or output
     gradients are NaN or infinite. ``kernel="pallas"``: dense uses go through the weighted-sum kernel where the
@@ -368,6 +372,8 @@ def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla
             if u.left_is_ids:
                 flat = jnp.zeros((u.rows, u.cols), dtype)
                 part = flat.at[u.left.reshape(-1)].add(right.reshape(-1, u.cols).astype(dtype)).reshape(u.shape)
+                if scatter_apart and len(uses) > 1:
+                    part = jax.lax.optimization_barrier(part)
             elif kernel == "pallas" and ghost_norm.has_kernel("weighted_sum", u.left, u.right):
                 part = ghost_norm.weighted_sum(u.left, u.right, coef).reshape(u.shape)
             else:

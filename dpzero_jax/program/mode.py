@@ -318,8 +318,9 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
     sq = sq.sum(axis=1 if examples_major else 0)
 
     def clipped(coef):
-        if k == 1:
-            return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel, _sum_dtype(factored))[None]
+        if k == 1:   # under GSPMD an embedding's scatter-add apart from the other uses' sum (pergrad.weighted_sum)
+            return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel, _sum_dtype(factored),
+                                        scatter_apart=spmd.batch_axes(batch) is not None)[None]
         return _blocked_weighted_sum(factored, coef, _sum_dtype(factored))
     return sq, clipped
 
