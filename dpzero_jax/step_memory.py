@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpzero_jax.decoder_shapes import DecoderConfig, lora_weights, weights
-from dpzero_jax.norm_rules import shape_rule
+from dpzero_jax.norm_rules import INSTANTIATION_MEMORY_BOUND, shape_rule
 from dpzero_jax.shard_layout import shard_axis
 
 PHASES = ("always", "block backward", "LM head", "table gradient")
@@ -186,12 +186,18 @@ def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:
     """Whether the DP step (ghost, ``norm_method`` the TPU's time rule) sums a tied ``[V, d]`` table by its weight
     path rather than book-keeping it: :func:`dpzero_jax.program.ghost.weighted`'s memory rule on the table's two
     uses (``T`` lookups, ``T`` head positions) with ``b`` sequences per device. Book-kept: ``4 V d`` (the fp32
-    clipped sum) ``+ 4 b V d`` where the time rule with reuse instantiates; weighted: the scaled output gradients
-    ``b T (V + d) c`` ``+ 4 b V d`` where the rule without reuse instantiates."""
+    clipped sum) ``+ 4 b V d`` where the time rule with reuse instantiates (and its bound in bytes lets it: the fp32
+    gradient within 2x the operands, the head's ``[T, V]`` and ``[T, d]`` and the lookup's ``[T, d]`` at ``c`` bytes,
+    its ids at 4; ``pergrad.kept_outweighs_operands``); weighted: the scaled output gradients ``b T (V + d) c``
+    ``+ 4 b V d`` where the rule without reuse instantiates."""
     v, d = config.vocab, config.d_model
 
     def instantiated(reuse: bool) -> bool:
-        return not shape_rule("fastest", 2 * t, t, v, d, reuse)
+        if shape_rule("fastest", 2 * t, t, v, d, reuse):
+            return False
+        operand_bytes = c * t * (v + 2 * d) + 4 * t
+        return not (reuse and 4 * v * d > INSTANTIATION_MEMORY_BOUND * operand_bytes
+                    and shape_rule("fastest", 2 * t, t, v, d, reuse=False))
     kept = 4 * v * d + (4 * b * v * d if instantiated(True) else 0)
     return b * t * (v + d) * c + (4 * b * v * d if instantiated(False) else 0) < kept
 

@@ -177,6 +177,28 @@ def test_the_planner_predicts_the_engines_choice(vocab, width, length, batch):
     assert any("wte" in p for p in engine) == step_memory.tied_table_weighted(shape, batch, length, 4)
 
 
+def test_the_planner_predicts_the_engines_choice_in_bfloat16():
+    """The same in bfloat16, where the time rule's bound in bytes (``pergrad.kept_outweighs_operands``) decides the
+    book-kept alternative: a tied ``[4096, 256]`` table at T 160, 4 sequences. Book-kept, the rule with reuse would
+    instantiate it by elements (1.05M within 2x the 0.74M operand elements) but not by bytes (4.19 MB float32 against
+    1.47 MB of bf16 operands and ids), so book-keeping holds only its 4.19 MB clipped sum, less than the scaled
+    output gradients ``4 x 160 x 4352 x 2`` = 5.57 MB of the weight path: book-kept, not weighted."""
+    from dpzero_jax import planner, step_memory
+
+    vocab, width, length, batch = 4096, 256, 160, 4
+    config = dz.models.GPT2Config(vocab_size=vocab, n_positions=length, n_embd=width, n_layer=1, n_head=2,
+                                  tie_word_embeddings=True)
+    model = nnx.eval_shape(lambda: dz.models.GPT2(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    params, loss_fn = dz.models.lm_objective(model)
+    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    cfg = dz.DPConfig(mode="ghost", norm_method="fastest", front_end="program")
+    plan = program_mode.plan_program(loss_fn, cfg, params, {"input_ids": ids}, tuple(ref.paths(params)), batch)
+    engine = {plan.paths[i] for i in program_ghost.weighted(plan, program_ghost.eligible(plan), cfg, batch)}
+    assert not any("wte" in p for p in engine)
+    shape = planner.DecoderConfig("tiny", 1, width, 2, vocab, length, tied=True)
+    assert not step_memory.tied_table_weighted(shape, batch, length, 2)
+
+
 def test_a_weight_shared_across_scan_iterations_is_weighted_and_exact():
     """A ``[16, 16]`` weight passed whole into a 3-iteration scan at 2 positions per iteration: its norm needs the
     iterations' cross terms (ghost form: 2 (3 x 2)^2 < 256), and the scaled output gradients, B x 2 x 16 float32 per
