@@ -223,11 +223,15 @@ def _operand_bytes(uses: Sequence[Outer]) -> int:
                + math.prod(u.right.shape[1:]) * jnp.dtype(u.right.dtype).itemsize for u in uses)
 
 
+def _kept_over_operands(uses: Sequence[Outer], kept_dtype) -> float:
+    """Bytes of a per-example gradient kept in ``kept_dtype`` over those of the uses' per-example operands."""
+    return math.prod(uses[0].shape) * jnp.dtype(kept_dtype).itemsize / _operand_bytes(uses)
+
+
 def kept_outweighs_operands(uses: Sequence[Outer], kept_dtype) -> bool:
     """Whether a per-example gradient kept in ``kept_dtype`` holds more than ``INSTANTIATION_MEMORY_BOUND`` times
     the bytes of the uses' per-example operands (the time rule's bound in bytes; see :func:`use_ghost`)."""
-    kept = math.prod(uses[0].shape) * jnp.dtype(kept_dtype).itemsize
-    return kept > INSTANTIATION_MEMORY_BOUND * _operand_bytes(uses)
+    return _kept_over_operands(uses, kept_dtype) > INSTANTIATION_MEMORY_BOUND
 
 
 def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", reuse: bool = True,
@@ -239,10 +243,9 @@ def use_note(uses: Sequence[PerExampleGrad], method: str, kernel: str = "xla", r
     note = norm_rules.bound_note(method, *_rule_shape(uses), reuse)
     if note or shape_rule(method, *_rule_shape(uses), reuse) or not use_ghost(uses, method, kernel, reuse, kept_dtype):
         return note
-    ratio = math.prod(uses[0].shape) * jnp.dtype(kept_dtype).itemsize / _operand_bytes(uses)
     return (f"ghost by the time rule's memory bound in bytes: kept instantiated ({jnp.dtype(kept_dtype).name}) it "
-            f"would hold {ratio:.1f}x its operands' bytes (more than {INSTANTIATION_MEMORY_BOUND}x); summed from "
-            f"them")
+            f"would hold {_kept_over_operands(uses, kept_dtype):.1f}x its operands' bytes (more than "
+            f"{INSTANTIATION_MEMORY_BOUND}x); summed from them")
 
 
 def _kernels_decide(uses: Sequence[Outer], kernel: str) -> bool:
