@@ -8,7 +8,8 @@ step. Checked here: values against ``vmap(grad)`` (a Flax linen ``nn.scan`` deco
 a per-head einsum, whose dot batch axis makes blocks of its own; masks and a NaN example), the compiled program
 holding no transpose of an ``[L, B, ...]`` array that swaps its iterations and examples, and each value kept once:
 inside a scan every kept value is a stacked output of its own, so two projections of one input share one record
-and a bias shares its dense layer's output gradient (``Analysis.shared_records`` / ``shared_gradient``).
+(``Analysis.shared_records``); a bias, a local site, keeps nothing but its per-example gradient
+(``program.local_tap``; until 2026-11-29 it shared its dense layer's output gradient, ``shared_gradient``).
 """
 
 from __future__ import annotations
@@ -128,11 +129,15 @@ def test_each_value_is_kept_once():
     assert shared == expected | {"Dense_0/bias": "Dense_0/kernel"}
 
     leaves, batch_leaves = jax.tree.leaves(setup.params), jax.tree.leaves(setup.batch)
-    _, records, probe_ct, _ = mode._pass(plan, leaves, batch_leaves)
+    _, records, probe_ct, _, tapped = mode._pass(plan, leaves, batch_leaves)
     for path, first in plan.analysis.shared_records.items():
         assert records[path] is records[first]
-    for path, source in plan.analysis.shared_gradient.items():
-        assert probe_ct[path] is probe_ct[source]
+    # a bias is a local site: book-keeping taps it (program.local_tap), so it keeps neither operands nor its output
+    # gradient -- its probe's cotangent is its per-example gradient, [L, B, *bias] -- and reads no one's
+    for path in plan.analysis.shared_gradient:
+        site = sites[path]
+        assert path in tapped and path not in records
+        assert probe_ct[path].shape == tuple(site.lengths) + (B,) + tuple(site.view.chain[0].invars[0].aval.shape)
 
 
 def test_an_output_used_twice_keeps_its_own_gradient():

@@ -123,8 +123,7 @@ def squared_norm(site, method: str, w, ops, g):
         if pergrad.space_rule(method, ids.shape[0], math.prod(table)):
             return jnp.sum((ids[:, None] == ids[None, :]) * (right @ right.T))
         return jnp.sum(jnp.square(jnp.zeros((table[0], right.shape[1]), jnp.float32).at[ids].add(right)))
-    base_shape = site.view.chain[0].invars[0].aval.shape if site.view.chain else w.shape
-    return jnp.sum(jnp.square(sites_lib.base_grad(site, w, ops, g, base_shape)))
+    return jnp.sum(jnp.square(sites_lib.base_grad(site, w, ops, g, sites_lib.base_shape(site))))
 
 
 def _remat_tap(site, w, ops, sink, method: str):

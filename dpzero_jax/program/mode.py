@@ -11,7 +11,9 @@ output gradient (:mod:`dpzero_jax.program.sites`):
   instantiated form (the mixed rule of ``pergrad``, with every cross term between uses: tied weights exact),
   clipped sums as one contraction per use;
 * leaves with a ``local`` site get their per-example gradient instantiated (``B x`` the leaf: scales, shifts,
-  position tables, class tokens, convolutions the conv rule does not take or instantiates);
+  position tables, class tokens, convolutions the conv rule does not take or instantiates); a local site that takes
+  the example's data forms it in the backward, from a tap on its output (:mod:`dpzero_jax.program.local_tap`),
+  and keeps no output gradient;
 * fallback leaves get theirs from the VJP (``B x`` the leaf).
 
 Then the usual clip coefficients per group and ``sum_i C_{m,i} g_{m,i}``. Examples with a zero coefficient
@@ -30,8 +32,8 @@ import numpy as np
 
 from dpzero_jax import clipping, layer_plan, pergrad, spmd
 from dpzero_jax import tape as tape_lib
+from dpzero_jax.program import local_tap, zero3
 from dpzero_jax.program import sites as sites_lib
-from dpzero_jax.program import zero3
 from dpzero_jax.program.analyze import DATA, Analysis, View, analyze
 from dpzero_jax.program.interpret import add_probe, run
 from dpzero_jax.sketch import finite_zero
@@ -170,17 +172,21 @@ def zero_probe(site):
 
 
 def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
-    """The probed forward and one VJP, per example: ``(losses [B], records, probe cotangents, fallback grads)``;
-    a site's records and probe cotangent ``[*scan lengths, B, ...]`` (:func:`example_axes`). With a ZeRO-3
+    """The probed forward and one VJP, per example: ``(losses [B], records, probe cotangents, fallback grads,
+    tapped sites)``; a site's records and probe cotangent ``[*scan lengths, B, ...]`` (:func:`example_axes`); a
+    tapped local site's probe cotangent is its per-example parameter gradient (:mod:`.local_tap`). With a ZeRO-3
     ``layout`` the leaves are this device's shards, gathered at their uses (:mod:`dpzero_jax.program.zero3`);
     fallback leaves whole."""
     analysis = plan.analysis
     fallback = sorted(analysis.fallback)
     held = zero3.held(plan.paths, leaves, layout)
     fallback_whole = [zero3.materialise(held[i]) for i in fallback]
+    tapped = local_tap.tapped_sites(analysis, layout)
+    shared_records, shared_gradient = local_tap.sharing(analysis.shared_records, analysis.shared_gradient, tapped)
 
     def per_example(leaves, fallback_whole, example):
-        probes = {path: zero_probe(site) for path, site in analysis.sites.items()}
+        probes = {path: local_tap.probe(site) if path in tapped else zero_probe(site)
+                  for path, site in analysis.sites.items()}
 
         def forward(probes, fallback_values):
             values = list(leaves)
@@ -188,7 +194,7 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
                 values[i] = v
             records: dict = {}
             (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, probes, records,
-                          handler=functools.partial(_probe_once, analysis.shared_records))
+                          handler=functools.partial(_probe_once, shared_records, tapped))
             return loss, records
 
         loss, pullback, records = jax.vjp(forward, probes, fallback_whole, has_aux=True)
@@ -201,13 +207,13 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
     # sites.local_grad maps over the examples where they are).
     depth = example_axes(plan)
     out_axes = (0, {path: [depth[path]] * len(site.recorded) for path, site in analysis.sites.items()
-                    if path not in analysis.shared_records}, depth, 0)
+                    if path not in shared_records and path not in tapped}, depth, 0)
     # spmd_axis_name: under a GSPMD step the example axis is split over the batch axes (dpzero_jax.spmd)
     losses, records, probe_ct, fallback_ct = jax.vmap(per_example, in_axes=(None, None, 0), out_axes=out_axes,
                                                       spmd_axis_name=spmd.batch_axes(len(batch_leaves[0])))(
         held, fallback_whole, list(batch_leaves))
-    share(records, probe_ct, analysis.shared_records, analysis.shared_gradient)
-    return losses, records, probe_ct, fallback_ct
+    share(records, probe_ct, shared_records, shared_gradient)
+    return losses, records, probe_ct, fallback_ct, tapped
 
 
 def share(records: dict, probe_ct: dict, shared_records: dict, shared_gradient: dict) -> None:
@@ -222,9 +228,12 @@ def share(records: dict, probe_ct: dict, shared_records: dict, shared_gradient: 
         probe_ct[path] = probe_ct[source]
 
 
-def _probe_once(shared_records: dict, site, invals, probe, records: dict) -> list:
+def _probe_once(shared_records: dict, tapped: frozenset, site, invals, probe, records: dict) -> list:
     """Book-keeping's handling of a site (:func:`~dpzero_jax.program.interpret.add_probe`), recording nothing for a
-    site whose operands an earlier site of its sub-program records (``shared_records``)."""
+    site whose operands an earlier site of its sub-program records (``shared_records``); a ``tapped`` local site
+    through its tap (:mod:`~dpzero_jax.program.local_tap`)."""
+    if site.path in tapped:
+        return local_tap.tap(site, invals, probe)
     return add_probe(site, invals, probe, {} if site.path in shared_records else records)
 
 
@@ -235,12 +244,12 @@ def example_axes(plan: ProgramPlan) -> dict:
 
 
 def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None, method: str = "mixed",
-                example_axis: dict | None = None):
+                example_axis: dict | None = None, tapped: frozenset = frozenset()):
     """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}`` for the fallback leaves and the leaves
     whose sites were captured (all, or those in ``captured``). Conv sites are factored only where
     :func:`~dpzero_jax.program.sites.conv_factored` says so for ``method``; else instantiated like local sites.
     ``example_axis``: ``{site path: axis}`` where a site's records and probe cotangent hold the examples (default:
-    first)."""
+    first). ``tapped``: local sites whose probe cotangent is their per-example parameter gradient already."""
     example_axis = example_axis or {}
     fallback = sorted(plan.analysis.fallback)
     terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32)) for i, g in zip(fallback, fallback_ct)}
@@ -259,7 +268,9 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
         for s, f in factored:
             total = total + sites_lib.instantiate(s, f, leaves[leaf])
         for s in leaf_sites:
-            if s.kind in direct:
+            if s.path in tapped:
+                total = total + sites_lib.from_tap(s, probe_ct[s.path], example_axis.get(s.path, 0))
+            elif s.kind in direct:
                 total = total + sites_lib.local_grad(s, records[s.path], probe_ct[s.path], leaves[leaf],
                                                      example_axis.get(s.path, 0))
         terms[leaf] = ("direct", total)
@@ -394,10 +405,10 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask, layout=None):
     leaves, treedef = jax.tree.flatten(params)
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
-    losses, records, probe_ct, fallback_ct = _pass(plan, leaves, batch_leaves, layout)
+    losses, records, probe_ct, fallback_ct, tapped = _pass(plan, leaves, batch_leaves, layout)
     whole = whole_leaves(plan, leaves, layout, probe_ct)
     terms = _leaf_terms(plan, whole, records, probe_ct, fallback_ct, method=cfg.norm_method,
-                        example_axis=example_axes(plan))
+                        example_axis=example_axes(plan), tapped=tapped)
     sq, summers = norms_and_summers(cfg, plan, whole, terms, size)
     norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
     sums = {i: clipped_sum(summers[i], coef[:, plan.group_of[plan.paths[i]]], whole[i]) for i in summers}

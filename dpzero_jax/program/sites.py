@@ -127,6 +127,20 @@ def scale_grad(site: Site, ops, g):
     return grad.reshape(target), upto
 
 
+def base_shape(site: Site) -> tuple:
+    """The shape of the chain's base: the leaf, or its per-iteration slice inside a scan."""
+    return tuple((site.view.chain[0].invars[0] if site.view.chain else site.eqn.invars[site.param_operand]).aval.shape)
+
+
+# Primitives whose VJP with respect to the parameter's view does not read the view's value (linear in it, or the
+# product with data), and those whose VJP reads neither the view nor the other operands (a shift, a concatenated
+# token): a local tap keeps for its backward only what it reads (program.local_tap).
+VIEW_FREE_VJP = frozenset({"add", "add_any", "sub", "mul", "neg", "concatenate", "pad", "select_n", "reshape",
+                           "broadcast_in_dim", "transpose", "convert_element_type", "dynamic_update_slice"})
+OPERAND_FREE_VJP = frozenset({"add", "add_any", "sub", "neg", "concatenate", "pad", "reshape", "broadcast_in_dim",
+                              "transpose", "convert_element_type"})
+
+
 def base_grad(site: Site, w, ops, g, base_shape):
     """One example's float32 gradient of the chain's base (the leaf or its per-iteration slice, ``base_shape``)
     through the site with output gradient ``g``, casts left out (the view ``w`` as evaluated)."""
@@ -354,6 +368,17 @@ def apply_site(site: Site, w, ops):
         else:
             values.append(var.val)
     return bind_squeezing(site.eqn, values, site.squeeze)[0]
+
+
+def from_tap(site: Site, grads, example_axis: int = 0):
+    """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site, from the per-example gradients
+    of its base that book-keeping's tap formed in the backward (``mode.local_tap``): ``grads [*lengths, base]`` with
+    the examples on ``example_axis`` of the leading ``[B, *lengths]`` axes; the iterations of a scan that passes the
+    leaf whole (``"const"`` level) add up, a stacked leaf's (``"xs"``) are its slices."""
+    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+    out = jnp.moveaxis(grads, example_axis, 0)
+    axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
+    return jnp.sum(out, axis=tuple(axes)) if axes else out
 
 
 def local_grad(site: Site, operands, g, leaf, example_axis: int = 0):
