@@ -11,7 +11,7 @@ Per depth ``L`` and layout the script measures, in one process:
 * **compile**: ``jit(f).lower(args).compile()`` wall time (trace + planning + XLA), non-DP and DP: the median of
   ``--compile-rounds`` compiles of each, every one after ``jax.clear_caches()`` (as the first step of a new process),
   the candidates alternating; the ratio is the median over rounds of DP / non-DP of the same round (one compile each
-  moved 1.41-1.80x at L = 48 from run to run on the 2-core machine);
+  moved 1.41-1.80x at L = 48 from run to run on the 2-core machine; single rounds 1.25-1.76x, so 5 by default);
 * **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round;
 * **noise floor**: the Gaussian noise alone (``dz.noise.privatize`` of a gradient-shaped tree, jitted, timed in
   the same rounds), as a fraction of the non-DP step: every DP-SGD step draws one normal per parameter, so no
@@ -180,7 +180,7 @@ def main(argv=None):
     parser.add_argument("--unrolled", type=int, nargs="*", default=None,
                         help="depths to also run unrolled (default: the same as --depths)")
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--compile-rounds", type=int, default=3,
+    parser.add_argument("--compile-rounds", type=int, default=5,
                         help="compiles of every candidate, each from cleared caches (median reported)")
     parser.add_argument("--quick", action="store_true", help="L = 2, 4 and 5 rounds (smoke test)")
     parser.add_argument("--batch", type=int, default=BATCH, help="examples per step (the issue's shape: 4)")
