@@ -2,7 +2,8 @@
 
 A norm's scale and offset, a bias, a layer scale: book-keeping forms each example's gradient of such a parameter in
 the backward pass, where the site's output gradient is produced, and keeps that (as small as the parameter) instead
-of the site's activation-sized operand and output gradient. Checked against ``vmap(grad)``: a scanned block with a
+of the site's activation-sized output gradient (a scale's operand stays, as the tap's residual; a bias keeps
+nothing). Checked against ``vmap(grad)``: a scanned block with a
 LayerNorm, a division by a parameter (whose VJP reads the parameter: the tap keeps its view), a scale passed whole
 to every iteration (the iterations' gradients add up) and a NaN example; a scale that records its operand before a
 dense layer that reads the same operand (the dense layer then records it itself); and what the pass keeps.

@@ -372,9 +372,9 @@ def apply_site(site: Site, w, ops):
 
 def from_tap(site: Site, grads, example_axis: int = 0):
     """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site, from the per-example gradients
-    of its base that book-keeping's tap formed in the backward (``mode.local_tap``): ``grads [*lengths, base]`` with
-    the examples on ``example_axis`` of the leading ``[B, *lengths]`` axes; the iterations of a scan that passes the
-    leaf whole (``"const"`` level) add up, a stacked leaf's (``"xs"``) are its slices."""
+    of its base that book-keeping's tap formed in the backward (:mod:`dpzero_jax.program.local_tap`): ``grads
+    [*lengths, base]`` with the examples on ``example_axis`` of the leading ``[B, *lengths]`` axes; the iterations of
+    a scan that passes the leaf whole (``"const"`` level) add up, a stacked leaf's (``"xs"``) are its slices."""
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
     out = jnp.moveaxis(grads, example_axis, 0)
     axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
