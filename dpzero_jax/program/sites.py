@@ -371,10 +371,11 @@ def apply_site(site: Site, w, ops):
 
 
 def from_tap(site: Site, grads, example_axis: int = 0):
-    """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site, from the per-example gradients
-    of its base that book-keeping's tap formed in the backward (:mod:`dpzero_jax.program.local_tap`): ``grads
-    [*lengths, base]`` with the examples on ``example_axis`` of the leading ``[B, *lengths]`` axes; the iterations of
-    a scan that passes the leaf whole (``"const"`` level) add up, a stacked leaf's (``"xs"``) are its slices."""
+    """``[B, *leaf.shape]`` per-example gradient of the leaf through one local site, from per-example gradients of
+    its base (formed in the backward by book-keeping's tap, :mod:`dpzero_jax.program.local_tap`, or after it by
+    :func:`local_grad`): ``grads [*lengths, base]`` with the examples on ``example_axis`` of the leading ``[B,
+    *lengths]`` axes; the iterations of a scan that passes the leaf whole (``"const"`` level) add up, a stacked
+    leaf's (``"xs"``) are its slices."""
     levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
     out = jnp.moveaxis(grads, example_axis, 0)
     axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
@@ -409,11 +410,8 @@ def local_grad(site: Site, operands, g, leaf, example_axis: int = 0):
         fn = jax.vmap(fn, in_axes=(0, 0, 0 if level == "xs" else None))
     if not example_axis:
         fn = jax.vmap(fn, in_axes=(0, 0, None))
-    out = fn(list(operands), g, leaf)
-    out = jnp.moveaxis(out, example_axis, 0)
-    # const levels were vmapped with an unbatched leaf: their axes are iterations to sum.
-    axes = [1 + i for i, lv in enumerate(levels) if lv == "const"]
-    return jnp.sum(out, axis=tuple(axes)) if axes else out
+    # const levels were vmapped with an unbatched leaf: their axes are iterations to sum (as for a tap's gradients)
+    return from_tap(site, fn(list(operands), g, leaf), example_axis)
 
 
 def instantiate(site: Site, f: Factored, leaf):
