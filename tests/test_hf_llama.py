@@ -1,7 +1,8 @@
 """Llama-family checkpoints (Llama with Llama-3 RoPE scaling and GQA, tied multi-query Llama, Mistral, Qwen2 with
 qkv biases, Gemma with its (1 + w) norms and scaled embedding, Gemma 2 with soft-capping, sandwich norms and
-alternating sliding windows): logits equal ``transformers``', per-example gradient
-norms (traced-program front-end, scanned layers) equal ``torch.func``'s, export round-trips, clear refusals."""
+alternating sliding windows, Qwen2 with a window on its last layers): logits equal ``transformers``', per-example
+gradient norms (traced-program front-end, scanned layers) equal ``torch.func``'s, export round-trips, clear
+refusals."""
 
 import json
 
@@ -74,6 +75,39 @@ def test_left_padding_mask_and_sliding_window_match_transformers(checkpoints, tm
     assert_close(dz.models.from_pretrained(tmp_path / "mistral")(jnp.asarray(ids, jnp.int32)), expected)
 
 
+def test_qwen2_sliding_window_layers_match_transformers(tmp_path):
+    """Qwen2 with ``use_sliding_window``: the window on the layers from ``max_window_layers`` on (here the last of
+    three), full attention before; logits, per-example norms and the export against ``transformers``."""
+    torch_model = hf_helpers.llama(tmp_path / "in", "qwen2", layers=3, tokenizer=False, use_sliding_window=True,
+                                   sliding_window=4, max_window_layers=2)
+    assert torch_model.config.layer_types == ["full_attention", "full_attention", "sliding_attention"]
+    ids = hf_helpers.token_batch(320, 3, 16, seed=11)
+    expected = logits(torch_model, ids)
+    unwindowed = hf_helpers.llama(tmp_path / "full", "qwen2", layers=3, tokenizer=False)   # the same weights
+    assert np.max(np.abs(expected - logits(unwindowed, ids))) > 1e-3                  # the window matters here
+    model = dz.models.from_pretrained(tmp_path / "in")
+    assert model.config.sliding_layers == (False, False, True) and model.config.sliding_window == 4
+    assert_close(model(jnp.asarray(ids, jnp.int32)), expected)
+    assert_close(dz.models.Llama.from_pretrained(tmp_path / "in", scan_layers=False)(jnp.asarray(ids, jnp.int32)),
+                 expected)
+    # a config.json without layer_types (older transformers): the pattern from max_window_layers
+    older = dz.models.from_pretrained(_edit_config(tmp_path / "in", tmp_path / "older", layer_types=None))
+    assert older.config.sliding_layers == (False, False, True)
+    assert_close(older(jnp.asarray(ids, jnp.int32)), expected)
+
+    mask = np.ones_like(ids)
+    mask[2, 10:] = 0
+    params, loss_fn = dz.models.lm_objective(model)
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32), "loss_mask": jnp.asarray(mask, jnp.int32)}
+    norms = ref.jit(lambda p, b: dz.per_example_grad_norms(loss_fn, p, b))(params, batch)
+    np.testing.assert_allclose(np.asarray(norms), torch_per_example_norms(torch_model, ids, mask), rtol=RTOL)
+
+    model.save_pretrained(tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["use_sliding_window"], written["sliding_window"], written["max_window_layers"]) == (True, 4, 2)
+    assert_close(logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids), expected)
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma", "gemma2"])
 def test_per_example_grad_norms_match_torch_func(checkpoints, kind):
     path, torch_model = checkpoints[kind]
@@ -97,8 +131,9 @@ def test_unsupported_llama_family_configs_are_refused(checkpoints, tmp_path):
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}))
     with pytest.raises(ValueError, match="mlp_bias=True"):
         dz.models.from_pretrained(_edit_config(path, tmp_path / "mlpb", mlp_bias=True))
-    with pytest.raises(ValueError, match="use_sliding_window=True"):
-        dz.models.from_pretrained(_edit_config(checkpoints["qwen2"][0], tmp_path / "qsw", use_sliding_window=True))
+    with pytest.raises(ValueError, match="layer_types lists 1 layers, num_hidden_layers is 2"):
+        dz.models.from_pretrained(_edit_config(checkpoints["qwen2"][0], tmp_path / "qsw", use_sliding_window=True,
+                                               sliding_window=4, layer_types=["sliding_attention"]))
     legacy = dz.models.from_pretrained(_edit_config(checkpoints["gemma"][0], tmp_path / "legacy", hidden_act="gelu"))
     assert legacy.config.hidden_act == "gelu_pytorch_tanh"     # Gemma's legacy "gelu" means the tanh GELU
     with pytest.raises(ValueError, match="causal language model: num_labels"):

@@ -279,7 +279,8 @@ class Llama(nnx.Module):
                 raise ValueError(f"attention_mask {attention_mask.shape} must have the shape of input_ids "
                                  f"{input_ids.shape}")
             mask = attention_mask.astype(bool)[:, None, None, :]      # [B, 1, 1, T_k]
-        # per-layer windows (Gemma 2): a layer's [T, T] band mask, selected by its flag (scanned with its weights)
+        # per-layer windows (Gemma 2, Qwen2): a layer's [T, T] band mask, selected by its flag (scanned with its
+        # weights)
         sliding = jnp.asarray(c.sliding_layers or (False,) * c.num_hidden_layers)
         offsets = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
         band = offsets < (c.sliding_window or length)

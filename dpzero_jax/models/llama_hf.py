@@ -1,7 +1,7 @@
 """Hugging Face Llama / Mistral / Qwen2 / Gemma (1, 2) checkpoints <-> :class:`~dpzero_jax.models.llama.Llama`.
 
 :func:`config_from_hf` reads ``config.json`` into a :class:`LlamaConfig`, refusing what the model does not compute
-exactly (other RoPE scalings, MLP biases, Qwen2's per-layer sliding windows); :func:`entries` maps every
+exactly (other RoPE scalings, MLP biases, bidirectional attention); :func:`entries` maps every
 tensor (``nn.Linear`` weights ``[out, in]`` are transposed to kernels ``[in, out]``; names otherwise the same:
 ``model.layers.3.self_attn.q_proj.weight`` -> ``layers/self_attn/q_proj/kernel`` stacked over layers, or
 ``layers/3/self_attn/q_proj/kernel`` unscanned); :func:`hf_config` describes the model for export.
@@ -52,21 +52,20 @@ def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
     if act not in ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (one of {tuple(ACTIVATIONS)})")
     window = None
+    per_layer = {}
     if model_type == "mistral":
         window = c.get("sliding_window")
-    elif model_type == "qwen2" and c.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=True (Qwen2's sliding window on some layers) is not "
-                         "supported; only use_sliding_window=False")
+    elif model_type == "qwen2" and c.get("use_sliding_window") and c.get("sliding_window"):
+        # the window on the layers from max_window_layers on (transformers' own default layer_types), or as listed
+        window = c["sliding_window"]
+        first = c.get("max_window_layers", 28)
+        kinds = _layer_kinds(c, lambda i: i >= first)
+        per_layer = {"sliding_layers": tuple(k == "sliding_attention" for k in kinds)}
     attention_bias = bool(c.get("attention_bias", False))
     gemma2 = {}
     if model_type == "gemma2":
         window = c.get("sliding_window")
-        kinds = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                         for i in range(c["num_hidden_layers"])]
-        unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
-        if unknown:
-            raise ValueError(f"config.json: layer_types {unknown} are not supported (only sliding_attention, "
-                             f"full_attention)")
+        kinds = _layer_kinds(c, lambda i: i % 2 == 0)
         gemma2 = {"attn_softcap": c.get("attn_logit_softcapping"), "final_softcap": c.get("final_logit_softcapping"),
                   "query_pre_attn_scalar": c.get("query_pre_attn_scalar", 256), "sandwich_norms": True,
                   "sliding_layers": tuple(k == "sliding_attention" for k in kinds) if window else None}
@@ -78,7 +77,22 @@ def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), **_rope(c), hidden_act=act,
         qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
         tie_word_embeddings=bool(c.get("tie_word_embeddings", model_type in GEMMAS)), sliding_window=window,
-        gemma=model_type in GEMMAS, scan_layers=scan_layers, model_type=model_type, **gemma2)
+        gemma=model_type in GEMMAS, scan_layers=scan_layers, model_type=model_type, **gemma2, **per_layer)
+
+
+def _layer_kinds(c: dict, sliding) -> list[str]:
+    """Each layer's attention, ``"sliding_attention"`` or ``"full_attention"``: ``config.json``'s ``layer_types``, or
+    else ``sliding(layer index)`` (the model type's default pattern)."""
+    kinds = c.get("layer_types") or ["sliding_attention" if sliding(i) else "full_attention"
+                                     for i in range(c["num_hidden_layers"])]
+    unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"config.json: layer_types {unknown} are not supported (only sliding_attention, "
+                         f"full_attention)")
+    if len(kinds) != c["num_hidden_layers"]:
+        raise ValueError(f"config.json: layer_types lists {len(kinds)} layers, num_hidden_layers is "
+                         f"{c['num_hidden_layers']}")
+    return kinds
 
 
 def hf_config(c: LlamaConfig) -> dict:
@@ -104,6 +118,15 @@ def hf_config(c: LlamaConfig) -> dict:
         out["mlp_bias"] = False
     if c.model_type in ("mistral", "gemma2"):
         out["sliding_window"] = c.sliding_window
+    if c.model_type == "qwen2":
+        out["use_sliding_window"] = c.sliding_window is not None
+        out["sliding_window"] = c.sliding_window
+        if c.sliding_layers is not None:
+            kinds = ["sliding_attention" if s else "full_attention" for s in c.sliding_layers]
+            out["layer_types"] = kinds
+            # transformers derives layer_types from max_window_layers where the file has none: the first sliding
+            # layer, which states the pattern exactly when the sliding layers are the last ones
+            out["max_window_layers"] = kinds.index("sliding_attention") if any(c.sliding_layers) else len(kinds)
     if c.model_type in GEMMAS:
         out["hidden_activation"] = c.hidden_act
     if c.model_type == "gemma2":
