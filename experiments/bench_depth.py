@@ -12,7 +12,9 @@ Per depth ``L`` and layout the script measures, in one process:
   ``--compile-rounds`` compiles of each, every one after ``jax.clear_caches()`` (as the first step of a new process),
   the candidates alternating; the ratio is the median over rounds of DP / non-DP of the same round (one compile each
   moved 1.41-1.80x at L = 48 from run to run on the 2-core machine; single rounds 1.25-1.76x, so 5 by default);
-* **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round;
+* **step**: the median over ``--rounds`` interleaved rounds of the DP step / the non-DP step of the same round
+  (45 by default: single rounds spread 0.95-1.10x at L = 48, and the medians of five successive 21-round blocks
+  of one process 1.009-1.033x, so a 15- or 21-round median moved about +-0.03 from run to run);
 * **noise floor**: the Gaussian noise alone (``dz.noise.privatize`` of a gradient-shaped tree, jitted, timed in
   the same rounds), as a fraction of the non-DP step: every DP-SGD step draws one normal per parameter, so no
   engine's step ratio can be below ``1 + noise``; ``x step - noise`` is the rest (norms, clipped sums, layout).
@@ -153,8 +155,9 @@ def compile_ratio(pair, name: str) -> float:
     return statistics.median(round_ratios(pair[name].rounds_s, pair["nondp"].rounds_s))
 
 
-def step_ratio(pair, rounds: int) -> tuple[float, float, float, float]:
-    """(median paired DP/non-DP ratio, median non-DP seconds, median DP seconds, median paired noise/non-DP)."""
+def step_ratio(pair, rounds: int) -> tuple[float, float, float, float, list]:
+    """(median paired DP/non-DP ratio, median non-DP seconds, median DP seconds, median paired noise/non-DP, every
+    round's DP/non-DP ratio)."""
     pair = {name: pair[name] for name in ("nondp", "dp", "noise")}
     for candidate in pair.values():
         jax.block_until_ready(candidate.executable(*candidate.args))
@@ -171,7 +174,7 @@ def step_ratio(pair, rounds: int) -> tuple[float, float, float, float]:
         ratios.append(this["dp"] / this["nondp"])
         noise.append(this["noise"] / this["nondp"])
     return (statistics.median(ratios), statistics.median(times["nondp"]), statistics.median(times["dp"]),
-            statistics.median(noise))
+            statistics.median(noise), ratios)
 
 
 def main(argv=None):
@@ -179,7 +182,7 @@ def main(argv=None):
     parser.add_argument("--depths", type=int, nargs="+", default=[12, 24, 48])
     parser.add_argument("--unrolled", type=int, nargs="*", default=None,
                         help="depths to also run unrolled (default: the same as --depths)")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=45, help="interleaved timed rounds (median reported)")
     parser.add_argument("--compile-rounds", type=int, default=5,
                         help="compiles of every candidate, each from cleared caches (median reported)")
     parser.add_argument("--quick", action="store_true", help="L = 2, 4 and 5 rounds (smoke test)")
@@ -205,7 +208,7 @@ def main(argv=None):
                                        seq=args.seq)
         pair = compiled_pair(params, batch, loss_fn, ("auto", "ghost", "bk") if remat else ("auto",),
                              args.compile_rounds)
-        ratio, t_nondp, t_dp, noise = step_ratio(pair, args.rounds)
+        ratio, t_nondp, t_dp, noise, ratio_rounds = step_ratio(pair, args.rounds)
         mem = {name: pair[name].executable.memory_analysis() for name in pair}
         temp = {name: getattr(m, "temp_size_in_bytes", 0) if m is not None else 0 for name, m in mem.items()}
         row = {"layout": layout, "layers": layers, "compile_nondp_s": pair["nondp"].seconds,
@@ -213,7 +216,8 @@ def main(argv=None):
                "compile_ratio": compile_ratio(pair, "dp"), "compile_nondp_rounds_s": pair["nondp"].rounds_s,
                "compile_dp_rounds_s": pair["dp"].rounds_s, "compile_noise_s": pair["noise"].seconds,
                "compile_noise_ratio": compile_ratio(pair, "noise"), "step_nondp_s": t_nondp, "step_dp_s": t_dp,
-               "step_ratio_paired": ratio, "noise_ratio_paired": noise, "step_ratio_minus_noise": ratio - noise,
+               "step_ratio_paired": ratio, "step_ratio_rounds": ratio_rounds, "noise_ratio_paired": noise,
+               "step_ratio_minus_noise": ratio - noise,
                "temp_nondp_bytes": temp["nondp"], "temp_dp_bytes": temp["dp"],
                "temp_ratio": temp["dp"] / max(temp["nondp"], 1)}
         if "ghost" in temp:
@@ -242,6 +246,11 @@ def main(argv=None):
             print(f"      compile ratio per round: {min(per_round):.2f}-{max(per_round):.2f}x over {len(per_round)} "
                   f"rounds (the median decides; compile times move by about 0.3 s from run to run on a shared "
                   f"2-core host)")
+        step_rounds = sorted(target[0]["step_ratio_rounds"])
+        if len(step_rounds) > 4:
+            tenth = len(step_rounds) // 10
+            print(f"      step ratio per round: {step_rounds[tenth]:.3f}-{step_rounds[-1 - tenth]:.3f}x (10th-90th "
+                  f"percentile of {len(step_rounds)} rounds; the median decides)")
         floor = 1 + target[0]["noise_ratio_paired"]
         print(f"      the noise alone puts any DP-SGD step at >= {floor:.3f}x here; the rest of the DP step is "
               f"{target[0]['step_ratio_minus_noise']:.3f}x")
