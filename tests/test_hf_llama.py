@@ -1,8 +1,8 @@
 """Llama-family checkpoints (Llama with Llama-3 RoPE scaling and GQA, tied multi-query Llama, Mistral, Qwen2 with
 qkv biases, Gemma with its (1 + w) norms and scaled embedding, Gemma 2 with soft-capping, sandwich norms and
-alternating sliding windows, Qwen2 with a window on its last layers): logits equal ``transformers``', per-example
-gradient norms (traced-program front-end, scanned layers) equal ``torch.func``'s, export round-trips, clear
-refusals."""
+alternating sliding windows, Qwen2 with a window on its last layers, YaRN RoPE): logits equal ``transformers``',
+per-example gradient norms (traced-program front-end, scanned layers) equal ``torch.func``'s, export round-trips,
+clear refusals."""
 
 import json
 
@@ -75,6 +75,27 @@ def test_left_padding_mask_and_sliding_window_match_transformers(checkpoints, tm
     assert_close(dz.models.from_pretrained(tmp_path / "mistral")(jnp.asarray(ids, jnp.int32)), expected)
 
 
+@pytest.mark.parametrize("yarn", [{"factor": 4.0, "original_max_position_embeddings": 16},
+                                  {"factor": 3.0, "original_max_position_embeddings": 512, "beta_fast": 16.0,
+                                   "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 1.1, "truncate": False}])
+def test_yarn_rope_matches_transformers(tmp_path, yarn):
+    """YaRN RoPE (the blended frequencies and the attention factor on cos and sin, transformers' defaults or every
+    option given): logits against ``transformers``, scanned and unrolled, and the export."""
+    torch_model = hf_helpers.llama(tmp_path / "in", "llama", tokenizer=False,
+                                   rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, **yarn})
+    ids = hf_helpers.token_batch(320, 2, 40, seed=12)
+    expected = logits(torch_model, ids)
+    plain = hf_helpers.llama(tmp_path / "plain", "llama", tokenizer=False, rope_scaling=None)   # the same weights
+    assert np.max(np.abs(expected - logits(plain, ids))) > 1e-3                      # the scaling matters here
+    model = dz.models.from_pretrained(tmp_path / "in")
+    assert model.config.rope_type == "yarn"
+    assert_close(model(jnp.asarray(ids, jnp.int32)), expected)
+    assert_close(dz.models.Llama.from_pretrained(tmp_path / "in", scan_layers=False)(jnp.asarray(ids, jnp.int32)),
+                 expected)
+    model.save_pretrained(tmp_path / "out")
+    assert_close(logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids), expected)
+
+
 def test_qwen2_sliding_window_layers_match_transformers(tmp_path):
     """Qwen2 with ``use_sliding_window``: the window on the layers from ``max_window_layers`` on (here the last of
     three), full attention before; logits, per-example norms and the export against ``transformers``."""
@@ -126,9 +147,14 @@ def test_unsupported_llama_family_configs_are_refused(checkpoints, tmp_path):
     with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] are not supported"):
         dz.models.from_pretrained(_edit_config(checkpoints["gemma2"][0], tmp_path / "g2",
                                                layer_types=["sliding_attention", "chunked_attention"]))
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
+        dz.models.from_pretrained(_edit_config(path, tmp_path / "longrope", rope_parameters={
+            "rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}))
+    with pytest.raises(ValueError, match="yarn RoPE needs original_max_position_embeddings"):
         dz.models.from_pretrained(_edit_config(path, tmp_path / "yarn", rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
+        dz.models.from_pretrained(_edit_config(path, tmp_path / "partial", partial_rotary_factor=0.5))
     with pytest.raises(ValueError, match="mlp_bias=True"):
         dz.models.from_pretrained(_edit_config(path, tmp_path / "mlpb", mlp_bias=True))
     with pytest.raises(ValueError, match="layer_types lists 1 layers, num_hidden_layers is 2"):

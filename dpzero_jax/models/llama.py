@@ -33,7 +33,7 @@ ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
                "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
                "gelu": functools.partial(jax.nn.gelu, approximate=False)}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +49,17 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_type: str = "default"               # one of ROPE_TYPES
-    rope_factor: float = 1.0                 # "linear" / "llama3"
+    rope_factor: float = 1.0                 # "linear" / "llama3" / "yarn"
     rope_low_freq_factor: float = 1.0        # "llama3"
     rope_high_freq_factor: float = 4.0       # "llama3"
-    rope_original_max_position: int = 8192   # "llama3"
+    rope_original_max_position: int = 8192   # "llama3" / "yarn"
+    # "yarn" (Peng et al., 2023): frequencies blended between interpolated (/ factor) and kept over the dimensions
+    # whose rotations in the original context lie between beta_slow and beta_fast (the range floored / ceiled with
+    # truncate); cos and sin scaled by rope_attention_factor
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 1.0
     hidden_act: str = "silu"                 # one of ACTIVATIONS
     qkv_bias: bool = False                   # biases on q/k/v (Qwen2; Llama's attention_bias)
     o_bias: bool = False                     # bias on o_proj (Llama's attention_bias)
@@ -87,6 +94,11 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.hidden_act must be one of {tuple(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"LlamaConfig.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.rope_type == "yarn" and not (self.rope_factor >= 1.0 and self.rope_beta_fast > self.rope_beta_slow > 0
+                                             and self.rope_attention_factor > 0):
+            raise ValueError(f"LlamaConfig: yarn RoPE needs rope_factor >= 1, rope_beta_fast > rope_beta_slow > 0 and "
+                             f"a positive rope_attention_factor, got {self.rope_factor}, {self.rope_beta_fast}, "
+                             f"{self.rope_beta_slow}, {self.rope_attention_factor}")
         if self.head_size % 2:
             raise ValueError(f"LlamaConfig: rotary embeddings need an even head_dim, got {self.head_size}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
@@ -119,7 +131,22 @@ class LlamaConfig:
             blended = (1 - smooth) * inv / self.rope_factor + smooth * inv
             inv = jnp.where(wavelength > old / self.rope_low_freq_factor, inv / self.rope_factor,
                             jnp.where(wavelength < old / self.rope_high_freq_factor, inv, blended))
+        if self.rope_type == "yarn":
+            low, high = (dim * math.log(self.rope_original_max_position / (rotations * 2 * math.pi))
+                         / (2 * math.log(self.rope_theta)) for rotations in (self.rope_beta_fast, self.rope_beta_slow))
+            if self.rope_truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            high = high + 0.001 if low == high else high
+            ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+            kept = 1.0 - ramp                                   # 1: the frequency as it is, 0: divided by the factor
+            inv = inv / self.rope_factor * (1.0 - kept) + inv * kept
         return inv
+
+    @property
+    def rope_scaling_of_cos_sin(self) -> float:
+        """The factor on the rotary cos and sin (YaRN's attention factor; 1 otherwise)."""
+        return self.rope_attention_factor if self.rope_type == "yarn" else 1.0
 
 
 def rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -273,6 +300,8 @@ class Llama(nnx.Module):
             x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
         angles = jnp.arange(length, dtype=jnp.float32)[:, None] * c.inverse_frequencies()[None, :]
         cos, sin = jnp.cos(angles), jnp.sin(angles)
+        if c.rope_scaling_of_cos_sin != 1.0:
+            cos, sin = cos * c.rope_scaling_of_cos_sin, sin * c.rope_scaling_of_cos_sin
         mask = None
         if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:

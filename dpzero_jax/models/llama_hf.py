@@ -1,16 +1,18 @@
 """Hugging Face Llama / Mistral / Qwen2 / Gemma (1, 2) checkpoints <-> :class:`~dpzero_jax.models.llama.Llama`.
 
 :func:`config_from_hf` reads ``config.json`` into a :class:`LlamaConfig`, refusing what the model does not compute
-exactly (other RoPE scalings, MLP biases, bidirectional attention); :func:`entries` maps every
-tensor (``nn.Linear`` weights ``[out, in]`` are transposed to kernels ``[in, out]``; names otherwise the same:
-``model.layers.3.self_attn.q_proj.weight`` -> ``layers/self_attn/q_proj/kernel`` stacked over layers, or
+exactly (RoPE scalings other than linear, llama3 and yarn, MLP biases, bidirectional attention); :func:`entries`
+maps every tensor (``nn.Linear`` weights ``[out, in]`` are transposed to kernels ``[in, out]``; names otherwise the
+same: ``model.layers.3.self_attn.q_proj.weight`` -> ``layers/self_attn/q_proj/kernel`` stacked over layers, or
 ``layers/3/self_attn/q_proj/kernel`` unscanned); :func:`hf_config` describes the model for export.
 """
 
 from __future__ import annotations
 
+import math
+
 from dpzero_jax.models.hf_mapping import blocks, refuse, same, transposed
-from dpzero_jax.models.llama import ACTIVATIONS, LlamaConfig
+from dpzero_jax.models.llama import ACTIVATIONS, ROPE_TYPES, LlamaConfig
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
@@ -25,8 +27,12 @@ def _rope(c: dict) -> dict:
         params = dict(c.get("rope_scaling") or {})
         params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"config.json: rope_type {kind!r} is not supported (only 'default', 'linear', 'llama3')")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config.json: rope_type {kind!r} is not supported (only {', '.join(map(repr, ROPE_TYPES))})")
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config.json: partial_rotary_factor={partial} is not supported (rotary embeddings on the "
+                         f"whole head only)")
     out = {"rope_theta": float(params.get("rope_theta", 10000.0)), "rope_type": kind}
     if kind in ("linear", "llama3"):
         out["rope_factor"] = float(params["factor"])
@@ -34,7 +40,32 @@ def _rope(c: dict) -> dict:
         out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
                    rope_high_freq_factor=float(params["high_freq_factor"]),
                    rope_original_max_position=int(params["original_max_position_embeddings"]))
+    if kind == "yarn":
+        out.update(_yarn(params, c))
     return out
+
+
+def _yarn(params: dict, c: dict) -> dict:
+    """YaRN's :class:`LlamaConfig` fields, with ``transformers``' defaults: ``factor`` (else ``max_position_embeddings /
+    original_max_position_embeddings``), ``beta_fast`` 32, ``beta_slow`` 1, ``truncate``, and the attention factor
+    on cos and sin (else ``0.1 ln(factor) + 1``, or the ratio of that with ``mscale`` and with ``mscale_all_dim``)."""
+    original = params.get("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("config.json: yarn RoPE needs original_max_position_embeddings")
+    factor = float(params.get("factor") or c.get("max_position_embeddings", 2048) / original)
+
+    def magnitude(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = magnitude(factor, mscale) / magnitude(factor, mscale_all) if mscale and mscale_all else \
+            magnitude(factor)
+    return {"rope_factor": factor, "rope_original_max_position": int(original),
+            "rope_beta_fast": float(params.get("beta_fast") or 32),
+            "rope_beta_slow": float(params.get("beta_slow") or 1), "rope_truncate": bool(params.get("truncate", True)),
+            "rope_attention_factor": float(attention)}
 
 
 def config_from_hf(c: dict, scan_layers: bool = True) -> LlamaConfig:
@@ -103,6 +134,10 @@ def hf_config(c: LlamaConfig) -> dict:
     if c.rope_type == "llama3":
         rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
                     original_max_position_embeddings=c.rope_original_max_position)
+    if c.rope_type == "yarn":
+        rope.update(factor=c.rope_factor, original_max_position_embeddings=c.rope_original_max_position,
+                    beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow, truncate=c.rope_truncate,
+                    attention_factor=c.rope_attention_factor)
     out = {"model_type": c.model_type, "architectures": [MODEL_TYPES[c.model_type]], "vocab_size": c.vocab_size,
            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
