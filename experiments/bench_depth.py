@@ -181,7 +181,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[12, 24, 48])
     parser.add_argument("--unrolled", type=int, nargs="*", default=None,
-                        help="depths to also run unrolled (default: the same as --depths)")
+                        help="depths to also run unrolled (default: the same as --depths; the flag alone: none)")
     parser.add_argument("--rounds", type=int, default=45, help="interleaved timed rounds (median reported)")
     parser.add_argument("--compile-rounds", type=int, default=5,
                         help="compiles of every candidate, each from cleared caches (median reported)")
