@@ -96,6 +96,23 @@ def test_yarn_rope_matches_transformers(tmp_path, yarn):
     assert_close(logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids), expected)
 
 
+def test_dynamic_rope_is_the_default_rope_within_the_accepted_lengths(tmp_path):
+    """Dynamic NTK RoPE recomputes the frequencies only for sequences past ``max_position_embeddings``, which the
+    model refuses: up to that length its logits equal ``transformers``'; the export keeps the scaling."""
+    torch_model = hf_helpers.llama(tmp_path / "in", "llama", tokenizer=False,
+                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    ids = hf_helpers.token_batch(320, 2, 64, seed=13)                                # max_position_embeddings 64
+    expected = logits(torch_model, ids)
+    model = dz.models.from_pretrained(tmp_path / "in")
+    assert (model.config.rope_type, model.config.rope_factor) == ("dynamic", 2.0)
+    assert_close(model(jnp.asarray(ids, jnp.int32)), expected)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=64"):
+        model(jnp.zeros((1, 65), jnp.int32))
+    model.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]["rope_type"] == "dynamic"
+    assert_close(logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), ids), expected)
+
+
 def test_qwen2_sliding_window_layers_match_transformers(tmp_path):
     """Qwen2 with ``use_sliding_window``: the window on the layers from ``max_window_layers`` on (here the last of
     three), full attention before; logits, per-example norms and the export against ``transformers``."""

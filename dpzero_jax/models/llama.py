@@ -33,7 +33,7 @@ ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
                "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
                "gelu": functools.partial(jax.nn.gelu, approximate=False)}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_type: str = "default"               # one of ROPE_TYPES
-    rope_factor: float = 1.0                 # "linear" / "llama3" / "yarn"
+    # "dynamic" (NTK-aware, recomputed for sequences past max_position_embeddings): the default frequencies at every
+    # length the model accepts (it refuses longer sequences), its factor kept for export
+    rope_factor: float = 1.0                 # "linear" / "llama3" / "yarn" / "dynamic"
     rope_low_freq_factor: float = 1.0        # "llama3"
     rope_high_freq_factor: float = 4.0       # "llama3"
     rope_original_max_position: int = 8192   # "llama3" / "yarn"

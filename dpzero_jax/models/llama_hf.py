@@ -1,7 +1,7 @@
 """Hugging Face Llama / Mistral / Qwen2 / Gemma (1, 2) checkpoints <-> :class:`~dpzero_jax.models.llama.Llama`.
 
 :func:`config_from_hf` reads ``config.json`` into a :class:`LlamaConfig`, refusing what the model does not compute
-exactly (RoPE scalings other than linear, llama3 and yarn, MLP biases, bidirectional attention); :func:`entries`
+exactly (RoPE scalings other than linear, llama3, yarn, dynamic; MLP biases, bidirectional attention); :func:`entries`
 maps every tensor (``nn.Linear`` weights ``[out, in]`` are transposed to kernels ``[in, out]``; names otherwise the
 same: ``model.layers.3.self_attn.q_proj.weight`` -> ``layers/self_attn/q_proj/kernel`` stacked over layers, or
 ``layers/3/self_attn/q_proj/kernel`` unscanned); :func:`hf_config` describes the model for export.
@@ -34,7 +34,7 @@ def _rope(c: dict) -> dict:
         raise ValueError(f"config.json: partial_rotary_factor={partial} is not supported (rotary embeddings on the "
                          f"whole head only)")
     out = {"rope_theta": float(params.get("rope_theta", 10000.0)), "rope_type": kind}
-    if kind in ("linear", "llama3"):
+    if kind in ("linear", "llama3", "dynamic"):
         out["rope_factor"] = float(params["factor"])
     if kind == "llama3":
         out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
@@ -129,7 +129,7 @@ def _layer_kinds(c: dict, sliding) -> list[str]:
 def hf_config(c: LlamaConfig) -> dict:
     """The ``config.json`` keys that describe ``c`` (merged over the checkpoint's own on export)."""
     rope = {"rope_theta": c.rope_theta, "rope_type": c.rope_type}
-    if c.rope_type in ("linear", "llama3"):
+    if c.rope_type in ("linear", "llama3", "dynamic"):
         rope["factor"] = c.rope_factor
     if c.rope_type == "llama3":
         rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
