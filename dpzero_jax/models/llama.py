@@ -140,9 +140,9 @@ class LlamaConfig:
                 low, high = math.floor(low), math.ceil(high)
             low, high = max(low, 0), min(high, dim - 1)
             high = high + 0.001 if low == high else high
+            # 0: the frequency as it is, 1: divided by the factor, a linear ramp between low and high
             ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
-            kept = 1.0 - ramp                                   # 1: the frequency as it is, 0: divided by the factor
-            inv = inv / self.rope_factor * (1.0 - kept) + inv * kept
+            inv = inv / self.rope_factor * ramp + inv * (1.0 - ramp)
         return inv
 
     @property

@@ -52,7 +52,6 @@ def tap(site, invals, site_probe) -> list:
     # scale or a shift), the operands for a scale (not for a bias: its gradient is the output gradient's sum)
     name = site.eqn.primitive.name
     keeps_view, keeps_ops = name not in sites_lib.VIEW_FREE_VJP, name not in sites_lib.OPERAND_FREE_VJP
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [w] + ops]
     shape = tuple(site_probe.shape)
 
     @jax.custom_vjp
@@ -63,10 +62,10 @@ def tap(site, invals, site_probe) -> list:
         return out, (w if keeps_view else None, ops if keeps_ops else None)
 
     def backward(saved, g):
-        w, kept = saved
-        zeros = [jnp.zeros(a.shape, a.dtype) for a in avals]
-        view = w if keeps_view else zeros[0]
-        return g, sites_lib.base_grad(site, view, kept if keeps_ops else zeros[1:], g, shape), None, [None] * len(ops)
+        view, kept = saved   # what the VJP does not read enters as zeros (XLA drops them unread)
+        view = view if keeps_view else jnp.zeros(w.shape, w.dtype)
+        kept = kept if keeps_ops else [jnp.zeros(x.shape, x.dtype) for x in ops]
+        return g, sites_lib.base_grad(site, view, kept, g, shape), None, [None] * len(ops)
 
     tapped.defvjp(forward, backward)
     return [tapped(out, site_probe, w, ops)]
