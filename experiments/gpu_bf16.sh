@@ -9,10 +9,10 @@
 #   3. the same profile with XLA's norms (--norm-kernel xla).
 #
 # Each part has its own time limit so that one slow compile leaves the others' output. Logs and JSON go to $OUT
-# (the device tool's output folder; /tmp/gpu_bf16 otherwise). A persistent compilation cache lets parts 2 and 3
-# share the non-private step's compile. dp-accounting and dm-tree are installed from .gpuwheels/ when that folder
-# is there (the GPU image lacks them and reaches no registry). Make it here, ignored by git, and name it in the
-# device tool's `carry`:
+# (the device tool's output folder; /tmp/gpu_bf16 otherwise). gpu_env.sh sets up the bare machine; its persistent
+# compilation cache lets parts 2 and 3 share the non-private step's compile. dp-accounting and dm-tree are installed
+# from .gpuwheels/ when that folder is there (the GPU image lacks them and reaches no registry). Make it here,
+# ignored by git, and name it in the device tool's `carry`:
 #
 #   pip download dp-accounting==0.6.0 dm-tree --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpuwheels
@@ -21,16 +21,7 @@
 #   bash experiments/gpu_bf16.sh [LIMIT1 LIMIT2 LIMIT3]     # seconds per part (default 200 160 140)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_bf16}
-mkdir -p "$OUT"
-if [ -d .gpuwheels ]; then
-  python3 -m pip install -q --no-deps --no-index .gpuwheels/*.whl 2>&1 | tail -2
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.txt"
-python3 -c "import jax, flax, optax, dpzero_jax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" \
-  2>&1 | tee -a "$OUT/gpu.txt" || exit 1
+source "$(dirname "$0")/gpu_env.sh"
 
 timeout "${1:-200}" python3 experiments/bench_overhead.py --gpt2-small --modes auto --rounds 10 --warmup 2 \
   --out "$OUT/bench_overhead_bf16_auto.json" 2>&1 | tee "$OUT/bench_overhead_bf16_auto.log"
