@@ -12,8 +12,9 @@ on a CPU and ``"partitionable"`` on a GPU or TPU, see :func:`resolve_rng`):
   (:func:`threefry_2x32`, :func:`normal_at`), two loops over blocks of coordinates updated in place
   (:func:`_noised_in_blocks`); fastest on one CPU, no gradient-sized temporary, two generators in the program
   whatever the number of leaves;
-* ``"partitionable"``: ``jax.random.normal`` per leaf, one elementwise computation that XLA fuses into the noised
-  update; under ``jax.jit`` with a sharded gradient each device draws exactly its own shard.
+* ``"partitionable"``: ``jax.random.normal``, one elementwise computation that XLA fuses into the noised update;
+  the leaves' keys derived in one call and the small leaves of one shape drawn in one (:func:`_noised_partitionable`);
+  under ``jax.jit`` with a sharded gradient each device draws exactly its own shard.
 
 (A key of another PRNG implementation than Threefry is drawn by ``jax.random.normal`` either way.) Dividing by the
 *expected* batch size (not the realised one, which depends on the data) keeps the sensitivity analysis exact under
@@ -72,8 +73,9 @@ def resolve_rng(rng: str, target: str | None = None) -> str:
     block (about 3x faster than ``jax.random.normal`` there, no temporary), but on a GPU every iteration is a handful
     of tiny kernels -- GPT-2 small's 163M coordinates are 2,479 iterations, measured on an H200 at 1.3 s a step
     against 31 ms for the whole non-private step (``docs/benchmarks/gpu.md``). ``jax.random.normal`` is one
-    elementwise computation per leaf, fused into the noised update. With ``jax_threefry_partitionable`` turned off
-    (``jax.random.normal`` then draws other values), ``"auto"`` is ``"blocked"`` everywhere.
+    elementwise computation per leaf (per shape of small leaf), fused into the noised update. With
+    ``jax_threefry_partitionable`` turned off (``jax.random.normal`` then draws other values), ``"auto"`` is
+    ``"blocked"`` everywhere.
     """
     if rng not in NOISE_RNG_OPTIONS:
         raise ValueError(f"noise rng must be one of {NOISE_RNG_OPTIONS}, got {rng!r}")
@@ -95,10 +97,47 @@ def add_noise_and_normalise(clipped_sum, key: jax.Array, std, expected_batch_siz
     if not leaves:
         return clipped_sum
     if rng == "partitionable" or not _is_threefry(key):
-        return jax.tree.unflatten(treedef, [
-            _noised_leaf_partitionable(leaf, jax.random.fold_in(key, j), std, expected_batch_size).astype(leaf.dtype)
-            for j, leaf in enumerate(leaves)])
+        return jax.tree.unflatten(treedef, _noised_partitionable(leaves, key, std, expected_batch_size))
     return jax.tree.unflatten(treedef, _noised_in_blocks(leaves, key, std, expected_batch_size))
+
+
+GROUPED_DRAW_MAX = 1 << 16   # leaves of at most this many elements are drawn together with the others of their shape
+
+
+def _noised_partitionable(leaves, key: jax.Array, std, expected_batch_size: float) -> list[jax.Array]:
+    """``(leaf + std * N(0, I)) / expected_batch_size`` in float32, cast back, leaf ``j``'s noise
+    ``jax.random.normal(fold_in(key, j), leaf.shape)``: the keys derived by one ``fold_in`` mapped over the leaf
+    indices, and the leaves of at most ``GROUPED_DRAW_MAX`` elements (biases, norm scales) drawn by one
+    ``jax.random.normal`` mapped over the keys of each shape (``jax.vmap``: row ``r`` is exactly key ``r``'s draw);
+    each larger leaf is drawn on its own, a computation XLA fuses into that leaf's update. Why: JAX writes each
+    Threefry call out in full on a GPU or TPU (~200 operations; a loop on a CPU), and two calls a leaf made the
+    noise most of a private step's program (GPT-2 small lowered for CUDA: 68k of its 90k operations, against 10k for
+    the whole non-private step; ``experiments/lowered_size.py``, ``docs/benchmarks/gpu.md``). Larger leaves are not
+    grouped because their mapped draw is written to memory before use (compiled for TPU, Llama-2-7B's scanned
+    weights grouped by shape added 0.07 GiB of temporaries a chip). A key of another implementation (``rbg``:
+    mapped over keys, its draws are not each key's own) is drawn leaf by leaf."""
+    if not _is_threefry(key):
+        return [_noised_leaf(leaf, jax.random.normal(jax.random.fold_in(key, j), leaf.shape, jnp.float32), std,
+                             expected_batch_size) for j, leaf in enumerate(leaves)]
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(len(leaves), dtype=jnp.uint32))
+    out: list = [None] * len(leaves)
+    small: dict[tuple[int, ...], list[int]] = {}
+    for j, leaf in enumerate(leaves):
+        if leaf.size <= GROUPED_DRAW_MAX:
+            small.setdefault(tuple(leaf.shape), []).append(j)
+        else:
+            out[j] = _noised_leaf(leaf, jax.random.normal(keys[j], leaf.shape, jnp.float32), std,
+                                  expected_batch_size)
+    for shape, members in small.items():
+        draws = jax.vmap(lambda k, shape=shape: jax.random.normal(k, shape, jnp.float32))(keys[np.asarray(members)])
+        for row, j in enumerate(members):
+            out[j] = _noised_leaf(leaves[j], draws[row], std, expected_batch_size)
+    return out
+
+
+def _noised_leaf(leaf: jax.Array, normal: jax.Array, std, expected_batch_size: float) -> jax.Array:
+    """``(leaf + std * normal) / expected_batch_size`` in float32, cast back to the leaf's dtype."""
+    return ((leaf.astype(jnp.float32) + std * normal) / expected_batch_size).astype(leaf.dtype)
 
 
 def _is_threefry(key: jax.Array) -> bool:
@@ -119,11 +158,6 @@ def privatize(clipped_sum, key: jax.Array, noise_multiplier: float, sensitivity,
         std = noise_multiplier * jnp.asarray(sensitivity, jnp.float32)
         return add_noise_and_normalise(clipped_sum, key, std, expected_batch_size, rng)
     return jax.tree.map(lambda g: (g.astype(jnp.float32) / expected_batch_size).astype(g.dtype), clipped_sum)
-
-
-def _noised_leaf_partitionable(leaf: jax.Array, key: jax.Array, std, expected_batch_size: float) -> jax.Array:
-    """``(leaf + std * N(0, I)) / expected_batch_size`` in float32; noise from ``jax.random.normal(key, shape)``."""
-    return (leaf.astype(jnp.float32) + std * jax.random.normal(key, leaf.shape, jnp.float32)) / expected_batch_size
 
 
 # --- Threefry on counters: the partitionable values, computed in blocks -------------------------------------------

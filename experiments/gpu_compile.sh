@@ -3,14 +3,16 @@
 #
 # On an H200 (2026-11-30, docs/benchmarks/gpu.md) XLA's priority-fusion pass took 27.2 s of the private step's
 # compile against 4.8 s for the non-private step, and `vmap` compiled as slowly as `bk`: the parts both private
-# modes share are the likelier cost. The lead: on CUDA, JAX lowers each Threefry draw unrolled (about 130
-# elementwise instructions), one per gradient leaf for the noise (148 leaves here), which the fusion passes then
-# merge instruction by instruction. JAX can instead lower each draw to one CUDA kernel
-# (jax_threefry_gpu_kernel_lowering; same bits, the bits then written to memory before use). This script measures
-# the step both ways:
+# modes share were the likelier cost. Lowered for CUDA on a CPU (experiments/lowered_size.py), that step held 90k
+# operations, 68k of them the noise's Threefry (JAX writes each call out in full there; two calls a gradient leaf,
+# 149 leaves), against 10k for the non-private step. Since then the partitionable generator derives the keys in
+# one call and draws the small leaves of one shape in one: 30k operations, 55 calls. This script measures, on the
+# GPU:
 #
-#   1. bench_overhead.py --gpt2-small --modes auto, XLA's pass times logged (xla_pass_times.py's table);
-#   2. the same with JAX_THREEFRY_GPU_KERNEL_LOWERING=true: compile time, step time and memory against part 1.
+#   1. bench_overhead.py --gpt2-small --modes auto (the library as it is), XLA's pass times logged
+#      (xla_pass_times.py's table): compile, step time and memory against the reading above;
+#   2. the same with JAX_THREEFRY_GPU_KERNEL_LOWERING=true: each remaining Threefry call one CUDA kernel (same bits,
+#      written to memory before use).
 #
 # Make .gpuwheels/ and carry it as gpu_bf16.sh says; in the device tool: OUT=$OUT bash experiments/gpu_compile.sh
 #

@@ -261,3 +261,61 @@ def test_auto_generator_is_blocked_on_cpu_and_partitionable_on_accelerators():
     on_cpu = noise_leaves(cfg)
     for got, expected in zip(on_cpu, on_gpu):   # the same normals; the step's arithmetic is fused differently
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_partitionable_noise_draws_each_shape_once_and_each_leaf_as_jax_random_normal():
+    """The partitionable generator derives the leaves' keys in one call and draws the leaves of one shape in one:
+    lowered for CUDA (where JAX writes every Threefry call out in full), 40 leaves of two shapes hold three Threefry
+    calls (the keys, and one per shape) instead of two per leaf; and leaf ``j`` is still exactly
+    ``jax.random.normal(fold_in(key, j), leaf.shape)`` -- a repeated shape's rows in their leaves' order -- for a
+    Threefry key, a raw ``uint32`` key and a key of another implementation (``rbg``, drawn leaf by leaf: mapped over
+    keys its draws differ), in each leaf's dtype."""
+    from dpzero_jax import noise
+    lowered_size = experiment_module("lowered_size")
+    shapes = [(3, 5) if j % 3 else (7,) for j in range(40)]
+    leaves = [jnp.ones(s, jnp.bfloat16 if j == 4 else jnp.float32) for j, s in enumerate(shapes)]
+    text = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 2.0, 4.0, "partitionable")).trace(
+        leaves, jax.random.key(0)).lower(lowering_platforms=("cuda",)).as_text()
+    operations, in_threefry, calls = lowered_size.inlined_size(text)
+    assert calls == 3, calls
+    assert 0 < in_threefry < operations
+    for key in (jax.random.key(7), jax.random.PRNGKey(7), jax.random.key(7, impl="rbg")):
+        out = jax.jit(lambda ls, k: noise.add_noise_and_normalise(ls, k, 2.0, 4.0, "partitionable"))(leaves, key)
+        for j, (leaf, got) in enumerate(zip(leaves, out)):
+            expected = ((1.0 + 2.0 * jax.random.normal(jax.random.fold_in(key, j), leaf.shape, jnp.float32)) / 4.0
+                        ).astype(leaf.dtype)
+            assert got.dtype == leaf.dtype and got.shape == leaf.shape
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+
+
+def test_lowered_size_counts_every_inlined_call():
+    """``experiments/lowered_size.py``'s count against a hand-made module: ``main`` calls ``f`` twice and ``g``
+    once, ``g`` calls ``threefry`` three times; the dialect operations of the bodies (not calls or returns) times
+    their calls."""
+    lowered_size = experiment_module("lowered_size")
+    text = """module @m {
+  func.func public @main(%arg0: tensor<2xui32>) -> tensor<2xui32> {
+    %0 = call @f(%arg0) : (tensor<2xui32>) -> tensor<2xui32>
+    %1 = call @f(%0) : (tensor<2xui32>) -> tensor<2xui32>
+    %2 = call @g(%1) : (tensor<2xui32>) -> tensor<2xui32>
+    return %2 : tensor<2xui32>
+  }
+  func.func private @f(%arg0: tensor<2xui32>) -> tensor<2xui32> {
+    %0 = stablehlo.add %arg0, %arg0 : tensor<2xui32>
+    return %0 : tensor<2xui32>
+  }
+  func.func private @g(%arg0: tensor<2xui32>) -> tensor<2xui32> {
+    %0 = call @threefry2x32(%arg0) : (tensor<2xui32>) -> tensor<2xui32>
+    %1 = call @threefry2x32(%0) : (tensor<2xui32>) -> tensor<2xui32>
+    %2 = call @threefry2x32(%1) : (tensor<2xui32>) -> tensor<2xui32>
+    return %2 : tensor<2xui32>
+  }
+  func.func private @threefry2x32(%arg0: tensor<2xui32>) -> tensor<2xui32> {
+    %0 = stablehlo.xor %arg0, %arg0 : tensor<2xui32>
+    %1 = stablehlo.add %0, %arg0 : tensor<2xui32>
+    return %1 : tensor<2xui32>
+  }
+}
+"""
+    # main: none of its own; f: one, called twice; g: none, three calls of threefry's two
+    assert lowered_size.inlined_size(text) == (2 * 1 + 3 * 2, 3 * 2, 3)
