@@ -110,7 +110,7 @@ def _noised_partitionable(leaves, key: jax.Array, std, expected_batch_size: floa
     indices, and the leaves of at most ``GROUPED_DRAW_MAX`` elements (biases, norm scales) drawn by one
     ``jax.random.normal`` mapped over the keys of each shape (``jax.vmap``: row ``r`` is exactly key ``r``'s draw);
     each larger leaf is drawn on its own, a computation XLA fuses into that leaf's update. Why: JAX writes each
-    Threefry call out in full on a GPU or TPU (~200 operations; a loop on a CPU), and two calls a leaf made the
+    Threefry call out in full on a GPU or TPU (~230 operations; a loop on a CPU), and two calls a leaf made the
     noise most of a private step's program (GPT-2 small lowered for CUDA: 68k of its 90k operations, against 10k for
     the whole non-private step; ``experiments/lowered_size.py``, ``docs/benchmarks/gpu.md``). Larger leaves are not
     grouped because their mapped draw is written to memory before use (compiled for TPU, Llama-2-7B's scanned

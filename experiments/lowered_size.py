@@ -5,10 +5,12 @@ JAX lowers a program for any platform it knows (``jit(...).trace(...).lower(lowe
 on a CPU. Each candidate of ``bench_overhead.py`` (the non-private step and the private ones, with
 ``DPConfig.target`` set to the platform's backend so the engine plans as it would there) is lowered to StableHLO;
 the script counts its operations with every ``func.call`` inlined (what XLA sees after its call inliner), and the
-share of them inside JAX's Threefry functions: on CUDA each draw of ``jax.random.normal`` is lowered unrolled
-(about 200 operations a call; on a CPU a rolled loop), and the partitionable noise draws once per gradient leaf.
-Written for ``docs/benchmarks/gpu.md``: the private GPT-2-small step compiled ~3.9x longer than the non-private
-one on an H200, most of the excess in XLA's fusion passes.
+share of them inside JAX's Threefry functions: on CUDA or TPU each Threefry call (a ``fold_in``, a draw of
+``jax.random.normal``) is lowered unrolled (about 230 operations a call; on a CPU a rolled loop), and the
+partitionable noise called it twice per gradient leaf until the keys were derived together and the small leaves
+drawn by shape (``dpzero_jax.noise._noised_partitionable``). Written for ``docs/benchmarks/gpu.md``: the private
+GPT-2-small step compiled ~3.9x longer than the non-private one on an H200, most of the excess in XLA's fusion
+passes.
 
     python experiments/lowered_size.py --gpt2-small [--platform cuda] [--modes auto,vmap-mbB] [--out size.json]
 """
