@@ -26,10 +26,7 @@ import re
 import sys
 
 import jax
-import jax.numpy as jnp
 import optax
-
-import dpzero_jax as dz
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead_steps as overhead  # noqa: E402  (a sibling module)
@@ -80,17 +77,10 @@ def measure(workload: overhead.Workload, modes: list[str], platform: str) -> lis
     args = (abstract(params), abstract(jax.eval_shape(optimizer.init, params)), abstract(batch),
             jax.eval_shape(lambda: jax.random.key(0)))
     rows = []
-    for candidate in overhead.make_steps(loss_fn, optimizer, modes, workload.batch_size):
-        step = candidate.step
-        if candidate.cfg is not None:   # the engine plans for the platform's backend, as it would there
-            cfg = dataclasses.replace(candidate.cfg, target=TARGET_OF_PLATFORM[platform])
-            private_grad = dz.private_value_and_grad(loss_fn, cfg)
-
-            def step(params, opt_state, batch, key, private_grad=private_grad):
-                losses, grads, _ = private_grad(params, batch, key)
-                updates, opt_state = optimizer.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state, jnp.mean(losses)
-        lowered = jax.jit(step).trace(*args).lower(lowering_platforms=(platform,))
+    # the engine plans for the platform's backend, as it would there
+    for candidate in overhead.make_steps(loss_fn, optimizer, modes, workload.batch_size,
+                                         target=TARGET_OF_PLATFORM[platform]):
+        lowered = jax.jit(candidate.step).trace(*args).lower(lowering_platforms=(platform,))
         ops, threefry, calls = inlined_size(lowered.as_text())
         rows.append({"candidate": candidate.name, "config": candidate.description, "operations": ops,
                      "threefry_operations": threefry, "threefry_calls": calls})

@@ -78,9 +78,11 @@ class Candidate:
     result: dict = dataclasses.field(default_factory=dict)
 
 
-def dp_config(name: str, batch_size: int, norm_method: str = "auto", norm_kernel: str = "auto") -> dz.DPConfig:
+def dp_config(name: str, batch_size: int, norm_method: str = "auto", norm_kernel: str = "auto",
+              target: str | None = None) -> dz.DPConfig:
+    """The private candidate ``name``'s config; ``target``: ``DPConfig.target`` (None: this process's backend)."""
     common = dict(noise_multiplier=1.0, max_grad_norm=1.0, clip_fn="abadi", norm_method=norm_method,
-                  norm_kernel=norm_kernel)
+                  norm_kernel=norm_kernel, target=target)
     if name in ("auto", "bk", "ghost"):
         return dz.DPConfig(**common, groups="all-layer", mode=name)
     if name == "fused":
@@ -95,7 +97,7 @@ def describe_config(cfg: dz.DPConfig) -> str:
 
 
 def make_steps(loss_fn, optimizer, names: list[str], batch_size: int, norm_method: str = "auto",
-               norm_kernel: str = "auto") -> list[Candidate]:
+               norm_kernel: str = "auto", target: str | None = None) -> list[Candidate]:
     def non_dp_step(params, opt_state, batch, key):
         del key  # same signature as the DP steps
         loss, grads = jax.value_and_grad(lambda p: jnp.mean(loss_fn(p, batch)))(params)
@@ -114,7 +116,7 @@ def make_steps(loss_fn, optimizer, names: list[str], batch_size: int, norm_metho
 
     candidates = [Candidate(BASELINE, "jax.value_and_grad(mean loss)", non_dp_step)]
     for name in names:
-        cfg = dp_config(name, batch_size, norm_method, norm_kernel)
+        cfg = dp_config(name, batch_size, norm_method, norm_kernel, target)
         candidates.append(Candidate(name, describe_config(cfg), dp_step(cfg), cfg))
     return candidates
 
