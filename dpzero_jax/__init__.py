@@ -33,7 +33,7 @@ _ATTRIBUTES = {
     "private_value_and_grad": "engine",
 }
 _SUBMODULES = (
-    "accounting", "adaptive_clipping", "clipping", "hf", "models", "nn", "noise", "ops", "peft", "pergrad",
+    "accounting", "adaptive_clipping", "aot", "clipping", "hf", "models", "nn", "noise", "ops", "peft", "pergrad",
     "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; nothing is imported at run 
     from dpzero_jax import (  # noqa: F401
         accounting,
         adaptive_clipping,
+        aot,
         cli,
         clipping,
         config,

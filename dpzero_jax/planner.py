@@ -43,6 +43,8 @@ GPT-J and GPT-3 are approximated by the GPT-2 family (GPT-J's rotary positions, 
 LayerNorm differ by < 0.2% of its parameters).
 
 ``dpzero plan --model gpt2-xl --devices 8 --batch 64 --seq 1024 --precision bf16 --zero 3`` prints the breakdown;
+``--compile TARGET`` also compiles the non-private and the DP step for a TPU topology or this host's devices and
+prints the compiler's bytes per device beside it (:mod:`dpzero_jax.aot`: the compiler's figures, not an estimate);
 ``dpzero plan --sizes`` the parameter counts of paper 000's Table 2 models against the paper's figures and of the
 Llama-family presets against the published checkpoints' counts.
 """
@@ -55,6 +57,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from dpzero_jax import aot
 from dpzero_jax.decoder_shapes import (  # noqa: F401  (DecoderConfig, PRESETS, ...: the planner's public names)
     PRESETS,
     DecoderConfig,
@@ -371,6 +374,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8; with --peft lora)")
     parser.add_argument("--sizes", action="store_true", help="print paper 000 Table 2's model sizes and exit")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--compile", metavar="TARGET", default=None,
+                        help="also compile the non-private and the DP step for TARGET and print the compiler's "
+                             "bytes per device beside the plan: a TPU topology (v5e:16x16, v5p:4x4x8; libtpu, the "
+                             "tpu-aot extra, compiles for it on any host) or 'local' (this host's devices)")
+    parser.add_argument("--strategy", default="gspmd", choices=aot.STRATEGIES,
+                        help="with --compile: the trainer's sharding strategy (default gspmd)")
 
 
 def run(args: argparse.Namespace) -> str:
@@ -384,9 +393,52 @@ def run(args: argparse.Namespace) -> str:
     config = resolve_model(args.model)
     plan = plan_memory(config, args.devices, args.batch, config.n_ctx if args.seq is None else args.seq,
                        args.precision, args.zero, args.remat, args.shards, args.peft, args.lora_rank)
+    target = getattr(args, "compile", None)   # a Namespace built by hand may lack the optional flags
+    compiled = [] if target is None else compile_plan(args.model, plan, target, getattr(args, "strategy", "gspmd"))
     if args.json:
-        return json.dumps(plan.to_dict(), indent=2)
-    return plan.format_table()
+        return json.dumps({**plan.to_dict(), **({"compiled": [c.to_dict() for c in compiled]} if compiled else {})},
+                          indent=2)
+    return plan.format_table() + ("\n\n" + format_compiled(plan, compiled) if compiled else "")
+
+
+def compile_plan(model, plan: MemoryPlan, target: str, strategy: str = "gspmd", log=sys.stderr) -> list:
+    """The plan's non-private and DP steps compiled for ``target`` (:func:`dpzero_jax.aot.compiled_memory`, the
+    model as ``model`` names it, the plan's devices, batch, sequence, precision, ZeRO stage, remat, shards and
+    LoRA rank): two :class:`~dpzero_jax.aot.CompiledMemory`. Progress goes to ``log`` (a large model's compile takes
+    minutes)."""
+    results = []
+    for private in (False, True):
+        name = "DP" if private else "non-private"
+        print(f"compiling the {name} step for {target} ...", file=log, flush=True)
+        result = aot.compiled_memory(model, target, devices=plan.devices, batch=plan.batch, seq=plan.seq,
+                                     precision=plan.precision, zero=plan.zero, remat=plan.remat,
+                                     lora_rank=plan.lora_rank, shards=plan.shards or plan.devices, private=private,
+                                     strategy=strategy)
+        print(f"  done in {result.seconds:.0f} s", file=log, flush=True)
+        results.append(result)
+    return results
+
+
+def format_compiled(plan: MemoryPlan, compiled: list) -> str:
+    """The compiled steps' bytes per device (GiB) against the plan's totals."""
+    first = compiled[0]
+    lines = [f"compiled for {first.target} ({first.devices} devices, mesh {first.mesh}); bytes per device from "
+             "memory_analysis()",
+             f"{'step':<12} {'arguments':>10} {'temporaries':>12} {'total':>10} {'plan':>10} {'plan/compiled':>14}",
+             "-" * 73]
+    for c in compiled:
+        name = "DP (auto)" if c.private else "non-DP"
+        planned = plan.total if c.private else plan.total_non_dp
+        if c.refused is not None:
+            stated = (f": needs {c.needed_bytes / GiB:.3f} of {c.available_bytes / GiB:.3f} GiB"
+                      if c.needed_bytes and c.available_bytes else f": {c.refused[:200]}")
+            lines.append(f"{name:<12} refused by the compiler (does not fit){stated}")
+            continue
+        lines.append(f"{name:<12} {c.argument_bytes / GiB:>10.3f} {c.temp_bytes / GiB:>12.3f} "
+                     f"{c.total_bytes / GiB:>10.3f} {planned / GiB:>10.3f} {planned / c.total_bytes:>14.2f}")
+    lines.append("total: arguments + temporaries + outputs not aliased to donated arguments (the plan's totals are "
+                 "estimates: docs/planner.md)")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -396,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(run(args))
-    except ValueError as error:
+    except (ValueError, RuntimeError) as error:
         print(f"dpzero plan: error: {error}", file=sys.stderr)
         return 2
     return 0

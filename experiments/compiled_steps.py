@@ -23,6 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hlo_text import collective_shapes, large_buffers, parse_collectives  # noqa: E402  (a sibling module)
 
+from dpzero_jax.aot import is_oom  # noqa: E402, F401  (JAX-free; bench_compiled imports it from here)
+
 GIB = 1 << 30
 # per chip: (peak FLOP/s at bf16, HBM bytes/s, HBM bytes, ICI bytes/s); see the module docstring for the source
 CHIPS = {
@@ -430,7 +432,3 @@ def measure(candidate: str, shape: Shape, mesh) -> dict:
                                                   result["collective_bytes"] / ici)
     return result
 
-
-def is_oom(error: BaseException) -> bool:
-    text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text.lower()

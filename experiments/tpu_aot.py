@@ -56,7 +56,6 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -64,11 +63,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_compiled import load, save  # noqa: E402  (a sibling script, imported without JAX)
-from compiled_steps import CHIPS, is_oom, peak_bytes, require_libtpu  # noqa: E402
+from compiled_steps import CHIPS, peak_bytes, require_libtpu  # noqa: E402
 from hlo_text import array_bytes, collective_shapes, loop_trip_counts, matmul_flops, parse_collectives  # noqa: E402
 from tpu_aot_tables import buffer_table, gib, kernel_table, table  # noqa: E402
 from tpu_buffers import read_dump  # noqa: E402
 
+from dpzero_jax.aot import is_oom, refusal  # noqa: E402, F401  (JAX-free; refusal: tests read it here)
 from dpzero_jax.shard_layout import DEFAULT_MIN_SHARD_ELEMENTS  # noqa: E402  (JAX-free: the library's rule)
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_aot.json")
@@ -130,24 +130,6 @@ def largest_fsdp(shapes, devices: int, min_shard_elements: int = DEFAULT_MIN_SHA
     return 1
 
 
-# the TPU compiler's two out-of-memory phrasings: "Used 29.3G of 15.75G hbm" and "the total memory required for HLO
-# temporaries (16.16G) exceeds available HBM (15.75G)"
-_USED = (re.compile(r"Used\s+([\d.]+)([KMGT]?)\s+of\s+([\d.]+)([KMGT]?)\s+hbm", re.IGNORECASE),
-         re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)",
-                    re.IGNORECASE))
-_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def refusal(message: str) -> dict:
-    """``{"used_bytes", "hbm_bytes"}`` stated by a TPU compiler's out-of-memory message, or ``{}``."""
-    match = next((m for m in (pattern.search(message) for pattern in _USED) if m), None)
-    if not match:
-        return {}
-    used, used_unit, hbm, hbm_unit = match.groups()
-    return {"used_bytes": int(float(used) * _UNIT[used_unit.upper()]),
-            "hbm_bytes": int(float(hbm) * _UNIT[hbm_unit.upper()])}
-
-
 def largest_collectives(hlo_text: str, count: int = 6) -> list[dict]:
     """The ``count`` collectives of an HLO module with the largest output buffers: ``{"op", "bytes"}`` (the op with
     its result shape, layouts dropped), largest first."""
@@ -160,33 +142,21 @@ def largest_collectives(hlo_text: str, count: int = 6) -> list[dict]:
 # Building and compiling (JAX with libtpu).
 
 def build(case: Case, remat: str):
-    """``(graphdef, abstract params, abstract frozen, trainable filter)``; LoRA cases: frozen weights as bf16."""
+    """``(graphdef, abstract params, abstract frozen, trainable filter)`` (:func:`dpzero_jax.aot.abstract_model`);
+    LoRA cases: the whole frozen base as bf16, its norm scales too."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from dpzero_jax import peft
-    from dpzero_jax.models.gpt2 import GPT2, GPT2Config
-    from dpzero_jax.models.llama import Llama, LlamaConfig
+    from dpzero_jax import aot
+    from dpzero_jax.models.gpt2 import GPT2Config
+    from dpzero_jax.models.llama import LlamaConfig
 
-    kwargs = dict(case.config)
-    holder = {"filter": nnx.Param}
-
-    def make():
-        if case.family == "gpt2":
-            model = GPT2(GPT2Config(**kwargs, scan_layers=True, remat=remat), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-        else:
-            model = Llama(LlamaConfig(**kwargs, scan_layers=True, remat=remat), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-        if case.lora_rank:
-            model, holder["filter"] = peft.apply(model, "lora", rank=case.lora_rank, key=jax.random.key(1))
-        return model
-
-    model = nnx.eval_shape(make)
-    graphdef, params, frozen = nnx.split(model, holder["filter"], ...)
+    config = (GPT2Config if case.family == "gpt2" else LlamaConfig)(**dict(case.config), scan_layers=True, remat=remat)
+    graphdef, params, frozen, trainable = aot.abstract_model(config, jnp.bfloat16, case.lora_rank)
     if case.lora_rank:
         frozen = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
                               if jnp.issubdtype(x.dtype, jnp.floating) else x, frozen)
-    return graphdef, params, frozen, holder["filter"]
+    return graphdef, params, frozen, trainable
 
 
 def make_mesh(case: Case, *trees):
@@ -201,95 +171,37 @@ def make_mesh(case: Case, *trees):
 
 
 def make_step(case: Case, variant: str, strategy: str, graphdef, trainable, params, rules, global_batch: int):
-    """``step(params, opt_state, batch, key, mask, frozen) -> (params, opt_state, loss)``."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
+    """``step(params, opt_state, batch, key, mask, frozen) -> (params, opt_state, loss)``: the trainer's step
+    (:func:`dpzero_jax.aot.training_step`) with the variant's gradient."""
     import dpzero_jax as dz
-    from dpzero_jax import sharding, spmd
-    from dpzero_jax.models.objectives import lm_objective
+    from dpzero_jax import aot
 
-    params_struct = params   # abstract: the shapes the objective's model is rebuilt with (weights come as arguments)
-
-    def objective(frozen):   # built inside the step: the frozen weights are its arguments, not constants
-        _, fn = lm_objective(nnx.merge(graphdef, params_struct, frozen), trainable=trainable)
-        return fn
-
-    cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode="auto", target="tpu",
-                      expected_batch_size=global_batch, noise_rng="partitionable")
+    cfg = None
+    if variant != "nonprivate":
+        cfg = dz.DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, mode="auto", target="tpu",
+                          expected_batch_size=global_batch, noise_rng="partitionable")
     if variant in ("dp-layerwise", "dp-layerwise-mixed", "dp-layerwise-bf16"):
         cfg = cfg.replace(mode="fused", groups="layer-wise", scan_groups="per-iteration")
     if variant in ("dp-mixed", "dp-layerwise-mixed"):
         cfg = cfg.replace(norm_method="mixed")
     if variant in ("dp-bf16", "dp-layerwise-bf16"):
         cfg = cfg.replace(instantiated_dtype="bfloat16")
-    if strategy == "explicit":
-        def gradient(p, batch, key, mask, frozen):
-            loss = objective(frozen)
-            if variant == "nonprivate":
-                return sharding.explicit_mean_gradient(loss, rules, params_struct)(p, batch, key, mask)
-            return sharding.explicit_private_gradient(loss, cfg, rules, params_struct)(p, batch, key, mask)
-    elif variant == "nonprivate":
-        def gradient(p, batch, key, mask, frozen):
-            def mean_loss(q):
-                losses = objective(frozen)(q, batch)
-                w = mask.astype(losses.dtype)
-                return jnp.sum(losses * w) / jnp.maximum(jnp.sum(w), 1.0), losses
-            (_, losses), grads = jax.value_and_grad(mean_loss, has_aux=True)(p)
-            return losses, grads
-    else:
-        def gradient(p, batch, key, mask, frozen):
-            loss = objective(frozen)
-            losses, grads, _ = dz.private_value_and_grad(loss, cfg)(p, batch, key, mask)
-            return losses, grads
-
-    tx = optax.adam(1e-4)
-    grad_shardings = rules.grads(params)
-
-    def step(p, opt_state, batch, key, mask, frozen):
-        if strategy == "gspmd":   # activations split over the batch (dpzero_jax.spmd), as the trainer does
-            with spmd.batch_sharded(rules.mesh):
-                losses, grads = gradient(p, batch, key, mask, frozen)
-        else:
-            losses, grads = gradient(p, batch, key, mask, frozen)
-        grads = jax.tree.map(lambda g, q: g.astype(q.dtype), grads, p)
-        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        updates, opt_state = tx.update(grads, opt_state, p)
-        p = optax.apply_updates(p, updates)
-        w = mask.astype(jnp.float32)
-        return p, opt_state, jnp.sum(jnp.where(mask, losses.astype(jnp.float32), 0.0)) / jnp.maximum(jnp.sum(w), 1.0)
-
-    return step, tx
+    return aot.training_step(graphdef, params, trainable, rules, cfg, strategy)
 
 
 def compile_point(case: Case, variant: str, strategy: str, remat: str):
     """Lower and compile one step; returns ``(compiled, mesh, seconds (lower, compile))``."""
-    import jax
-    import jax.numpy as jnp
-
-    from dpzero_jax import sharding
+    from dpzero_jax import aot, sharding
 
     graphdef, params, frozen, trainable = build(case, remat)
     mesh = make_mesh(case, params, frozen)
     rules = sharding.ShardingRules(mesh, zero=3)
     global_batch = case.B * mesh.devices.size
     step, tx = make_step(case, variant, strategy, graphdef, trainable, params, rules, global_batch)
-    opt_state = jax.eval_shape(tx.init, params)
-    batch = {"input_ids": jax.ShapeDtypeStruct((global_batch, case.T), jnp.int32)}
-    mask = jax.ShapeDtypeStruct((global_batch,), jnp.bool_)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    shardings = (rules.params(params), rules.opt_state(opt_state), rules.batch(batch), rules.replicated,
-                 rules.batch(mask), rules.params(frozen))
-    args = (params, opt_state, batch, key, mask, frozen)
-    args = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args, shardings)
+    lowered, lower_seconds = aot.lower_step(step, tx, rules, params, frozen, global_batch, case.T)
     start = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1), in_shardings=shardings,
-                      out_shardings=(shardings[0], shardings[1], rules.replicated)).lower(*args)
-    lowered_at = time.perf_counter()
     compiled = lowered.compile()
-    return compiled, mesh, (lowered_at - start, time.perf_counter() - lowered_at)
+    return compiled, mesh, (lower_seconds, time.perf_counter() - start)
 
 
 def measure(case: Case, variant: str, strategy: str, remat: str, dump: str | None = None) -> dict:

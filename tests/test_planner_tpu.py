@@ -51,9 +51,19 @@ def _plan(spec, point):
                                shards=fsdp)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu is not installed (pip install -e '.[tpu-aot]' in a separate environment)")
-def test_planner_against_a_tpu_compiled_step(tmp_path):
+_NEEDS_LIBTPU = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                   reason="libtpu is not installed (pip install -e '.[tpu-aot]' in a separate "
+                                          "environment)")
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    """The 2-block Llama's steps compiled by ``experiments/planner_vs_tpu.py``: ``(rows, points)``."""
+    return _compare(SMALL_LLAMA, "nonprivate,dp", tmp_path_factory.mktemp("planner_vs_tpu"))
+
+
+@_NEEDS_LIBTPU
+def test_planner_against_a_tpu_compiled_step(small_llama):
     """Model states: the planner's ``optimizer state`` row (fp32 master + two moments, ``12 Psi / F``) is the
     compiled step's arguments (fp32 parameters + two moments; the batch, key and step counter add < 0.1%). Total
     (model states + temporaries [+ DP extra]) against arguments + temporaries: within 0.7-1.4, the planner's measured
@@ -61,10 +71,31 @@ def test_planner_against_a_tpu_compiled_step(tmp_path):
     1.10 DP when it was first compiled (its predictions written down before), and 1.16 / 1.28 since the language-model
     loss stopped gathering the targets' logits (2026-11-27: the DP step lost 0.27 GiB the planner had matched by
     accident; the bound was 0.8-1.2 until then)."""
-    rows, points = _compare(SMALL_LLAMA, "nonprivate,dp", tmp_path)
+    rows, points = small_llama
     assert [r["variant"] for r in rows] == ["nonprivate", "dp"]
     for row in rows:
         assert 0.7 <= row["ratio"] <= 1.4, row
     plan = _plan(SMALL_LLAMA, points["nonprivate"])
     arguments = points["nonprivate"]["argument_bytes"]
     assert abs(arguments - plan.optimizer_state) < 1e-3 * arguments, (arguments, plan.optimizer_state)
+
+
+@_NEEDS_LIBTPU
+def test_plan_compile_for_a_tpu_topology_compiles_the_experiments_step(small_llama, tmp_path):
+    """``dpzero plan --compile v5e:2x2`` on the same shape given as a planner JSON (a preset-like description,
+    built by ``dpzero_jax.aot.model_config``): the same per-chip arguments and temporaries, non-DP and DP, as the
+    experiment's step built from ``LlamaConfig`` keywords."""
+    _, points = small_llama
+    model = tmp_path / "llama-2-blocks.json"
+    model.write_text(json.dumps({"family": "llama", "n_layer": 2, "d_model": 2048, "n_head": 16, "d_ff": 5504,
+                                 "vocab": 32000, "n_ctx": 4096, "tied": False}))
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+    done = subprocess.run([sys.executable, "-m", "dpzero_jax.planner", "--model", str(model), "--devices", "4",
+                           "--batch", "4", "--seq", "2048", "--remat", "block", "--compile", "v5e:2x2", "--json"],
+                          check=True, env=env, timeout=900, capture_output=True, text=True)
+    compiled = json.loads(done.stdout)["compiled"]
+    assert [c["private"] for c in compiled] == [False, True]
+    for c, variant in zip(compiled, ("nonprivate", "dp")):
+        assert c["target"] == "v5e:2x2" and c["mesh"] == points[variant]["mesh"] and c["refused"] is None
+        assert (c["argument_bytes"], c["temp_bytes"]) == (points[variant]["argument_bytes"],
+                                                          points[variant]["temp_bytes"]), variant
