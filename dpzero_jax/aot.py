@@ -27,6 +27,10 @@ import time
 TPU_INSTALL_HINT = ('compiling for a TPU topology needs libtpu (the TPU compiler): pip install -e ".[tpu-aot]" in '
                     'an environment of its own (jax[tpu] at the version of jax)')
 STRATEGIES = ("gspmd", "explicit")
+# HBM per chip of the TPU generations a topology name starts with (Google Cloud's figures); the compiler keeps some
+# for itself (v5e: it reports 15.75 of the 16 GiB available) and does not always refuse a program that exceeds the
+# chip (GPT-2 XL's private step without remat on v5e compiled at 16.4 GiB a chip), so a total is checked against it
+TPU_HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 10**9, "v6e": 32 * 2**30}
 
 # the TPU compiler's two out-of-memory phrasings: "Used 29.3G of 15.75G hbm" and "the total memory required for HLO
 # temporaries (16.16G) exceeds available HBM (15.75G)"
@@ -238,6 +242,7 @@ class CompiledMemory:
     refused: str | None = None
     needed_bytes: int | None = None
     available_bytes: int | None = None
+    hbm_bytes: int | None = None   # the device's memory where known (TPU_HBM_BYTES; a GPU's bytes_limit)
 
     @property
     def total_bytes(self) -> int | None:
@@ -245,8 +250,26 @@ class CompiledMemory:
             return None
         return self.argument_bytes + self.temp_bytes + max(self.output_bytes - self.alias_bytes, 0)
 
+    @property
+    def fits(self) -> bool | None:
+        """False if the compiler refused or the total exceeds the device's memory; None where that is unknown."""
+        if self.refused is not None:
+            return False
+        return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
+
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+
+
+def device_memory(target: str, device) -> int | None:
+    """Bytes of memory of one device of ``target``: a TPU generation's HBM (:data:`TPU_HBM_BYTES`, by the topology
+    name's prefix), a local device's ``bytes_limit`` where its runtime reports one (GPUs), else None (CPU)."""
+    if target != "local":
+        return TPU_HBM_BYTES.get(target.split(":")[0].split("-")[0])
+    try:
+        return int((device.memory_stats() or {})["bytes_limit"])
+    except Exception:   # no statistics on this platform (CPU)
+        return None
 
 
 def compiled_memory(model, target: str, *, devices: int | None, batch: int, seq: int, precision: str = "bf16",
@@ -287,6 +310,7 @@ def compiled_memory(model, target: str, *, devices: int | None, batch: int, seq:
     step, tx = training_step(graphdef, params, trainable, rules, dp_config, strategy)
     label = target if target != "local" else f"local:{platform}"
     mesh_text = f"data={count // fsdp},fsdp={fsdp}"
+    hbm = device_memory(target, chips[0])
     start = time.perf_counter()
     try:
         lowered, _ = lower_step(step, tx, rules, params, frozen, batch, seq)
@@ -297,10 +321,10 @@ def compiled_memory(model, target: str, *, devices: int | None, batch: int, seq:
         stated = refusal(str(error))
         return CompiledMemory(label, private, count, mesh_text, seconds=time.perf_counter() - start,
                               refused=" ".join(str(error).split())[:500], needed_bytes=stated.get("used_bytes"),
-                              available_bytes=stated.get("hbm_bytes"))
+                              available_bytes=stated.get("hbm_bytes"), hbm_bytes=hbm)
     return CompiledMemory(label, private, count, mesh_text, int(memory.argument_size_in_bytes),
                           int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes),
-                          int(memory.temp_size_in_bytes), time.perf_counter() - start)
+                          int(memory.temp_size_in_bytes), time.perf_counter() - start, hbm_bytes=hbm)
 
 
 def _exact_config(model, seq: int, remat: str):

@@ -420,12 +420,15 @@ def compile_plan(model, plan: MemoryPlan, target: str, strategy: str = "gspmd", 
 
 
 def format_compiled(plan: MemoryPlan, compiled: list) -> str:
-    """The compiled steps' bytes per device (GiB) against the plan's totals."""
+    """The compiled steps' bytes per device (GiB) against the plan's totals and the device's memory."""
     first = compiled[0]
-    lines = [f"compiled for {first.target} ({first.devices} devices, mesh {first.mesh}); bytes per device from "
-             "memory_analysis()",
-             f"{'step':<12} {'arguments':>10} {'temporaries':>12} {'total':>10} {'plan':>10} {'plan/compiled':>14}",
-             "-" * 73]
+    hbm = first.hbm_bytes
+    memory = f"; {hbm / GiB:.2f} GiB a device" if hbm else "; the device's memory unknown here"
+    lines = [f"compiled for {first.target} ({first.devices} devices, mesh {first.mesh}{memory}); bytes per device "
+             "from memory_analysis()",
+             f"{'step':<12} {'arguments':>10} {'temporaries':>12} {'total':>10} {'plan':>10} {'plan/compiled':>14}"
+             f"  fits",
+             "-" * 79]
     for c in compiled:
         name = "DP (auto)" if c.private else "non-DP"
         planned = plan.total if c.private else plan.total_non_dp
@@ -434,10 +437,12 @@ def format_compiled(plan: MemoryPlan, compiled: list) -> str:
                       if c.needed_bytes and c.available_bytes else f": {c.refused[:200]}")
             lines.append(f"{name:<12} refused by the compiler (does not fit){stated}")
             continue
+        fits = {True: "yes", False: "NO", None: "-"}[c.fits]
         lines.append(f"{name:<12} {c.argument_bytes / GiB:>10.3f} {c.temp_bytes / GiB:>12.3f} "
-                     f"{c.total_bytes / GiB:>10.3f} {planned / GiB:>10.3f} {planned / c.total_bytes:>14.2f}")
+                     f"{c.total_bytes / GiB:>10.3f} {planned / GiB:>10.3f} {planned / c.total_bytes:>14.2f}  {fits}")
     lines.append("total: arguments + temporaries + outputs not aliased to donated arguments (the plan's totals are "
-                 "estimates: docs/planner.md)")
+                 "estimates: docs/planner.md); fits: total <= the device's memory (the runtime keeps some of it: "
+                 "v5e's compiler counts 15.75 of its 16 GiB)")
     return "\n".join(lines)
 
 

@@ -85,7 +85,7 @@ def test_plan_compile_prints_the_compiled_steps_beside_the_plan(tmp_path, capsys
     assert compiled[1]["temp_bytes"] > compiled[0]["temp_bytes"]
     assert planner.main(argv) == 0
     text = capsys.readouterr().out
-    assert "compiled for local:cpu (4 devices, mesh data=1,fsdp=4)" in text
+    assert "compiled for local:cpu (4 devices, mesh data=1,fsdp=4; the device's memory unknown here)" in text
     assert "non-DP" in text and "DP (auto)" in text
 
 
@@ -114,3 +114,16 @@ def test_refusal_reads_both_phrasings_of_the_tpu_compilers_out_of_memory():
         "used_bytes": int(16.16 * 2**30), "hbm_bytes": int(15.75 * 2**30)}
     assert aot.refusal("INVALID_ARGUMENT: something else") == {}
     assert aot.is_oom(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory")) and not aot.is_oom(ValueError("shape"))
+
+
+def test_fits_compares_the_total_with_the_devices_memory():
+    made = dict(target="v5e:16x16", private=True, devices=256, mesh="data=4,fsdp=64", argument_bytes=3 * 2**28,
+                output_bytes=3 * 2**28, alias_bytes=3 * 2**28, hbm_bytes=aot.device_memory("v5e:16x16", None))
+    assert made["hbm_bytes"] == 16 * 2**30 and aot.device_memory("v5p:4x4x8", None) == 95 * 10**9
+    assert aot.CompiledMemory(**made, temp_bytes=15 * 2**30).fits is True
+    # a program the compiler returned although it exceeds the chip (it does not always refuse one)
+    assert aot.CompiledMemory(**made, temp_bytes=16 * 2**30).fits is False
+    refused = aot.CompiledMemory("v5e:16x16", True, 256, "data=4,fsdp=64", refused="RESOURCE_EXHAUSTED: ...")
+    assert refused.fits is False and refused.total_bytes is None
+    assert aot.CompiledMemory("local:cpu", True, 4, "data=1,fsdp=4", 1, 1, 1, 1).fits is None
+    assert aot.device_memory("local", jax.devices()[0]) is None   # a CPU reports no bytes_limit
