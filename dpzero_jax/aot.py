@@ -13,8 +13,9 @@ Targets: a TPU topology name (``"v5e:16x16"``, ``"v5p:4x4x8"``: compiled by ``li
 buffers out otherwise than a TPU's or GPU's).
 
 ``dpzero plan ... --compile TARGET`` prints the figures beside the plan (:func:`compiled_memory` for the non-private
-and the private step). A program larger than a chip is refused by the TPU compiler: the refusal is the result, with
-the bytes it needed and the bytes the chip has (:class:`CompiledMemory` ``refused``).
+and the private step). The TPU compiler refuses some programs larger than a chip -- the refusal is then the result,
+with the bytes it needed and the bytes the chip has (:class:`CompiledMemory` ``refused``) -- but not all of them, so
+:attr:`CompiledMemory.fits` also compares the total with the device's memory (:func:`device_memory`).
 """
 
 from __future__ import annotations
