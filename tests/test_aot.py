@@ -60,10 +60,10 @@ def _expected_arguments(lora_rank: int) -> int:
     return states + base + 4 + (BATCH // DEVICES) * (SEQ * 4 + 1) + 8   # count int32, ids int32, mask bool, key
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_compiled_arguments_are_the_zero3_shards_of_the_model_states(lora_rank):
+@pytest.mark.parametrize("lora_rank,strategy", [(0, "gspmd"), (4, "gspmd"), (4, "explicit")])
+def test_compiled_arguments_are_the_zero3_shards_of_the_model_states(lora_rank, strategy):
     result = aot.compiled_memory(TINY, "local", devices=DEVICES, batch=BATCH, seq=SEQ, remat="block",
-                                 lora_rank=lora_rank, private=True)
+                                 lora_rank=lora_rank, private=True, strategy=strategy)
     assert result.refused is None and result.target == "local:cpu" and result.mesh == "data=1,fsdp=4"
     assert result.argument_bytes == _expected_arguments(lora_rank)
     assert result.temp_bytes > 0
