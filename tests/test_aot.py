@@ -127,3 +127,23 @@ def test_fits_compares_the_total_with_the_devices_memory():
     assert refused.fits is False and refused.total_bytes is None
     assert aot.CompiledMemory("local:cpu", True, 4, "data=1,fsdp=4", 1, 1, 1, 1).fits is None
     assert aot.device_memory("local", jax.devices()[0]) is None   # a CPU reports no bytes_limit
+
+
+def test_presets_script_writes_the_plan_and_the_compiled_steps(tmp_path, capsys):
+    """``experiments/planner_presets_tpu.py`` end to end on this host's devices (a TPU topology needs libtpu)."""
+    from helpers import experiment_module
+
+    script = experiment_module("planner_presets_tpu")
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(TINY))
+    out = tmp_path / "presets.json"
+    result = script.main(["--models", str(model), "--topology", "local", "--chips", str(DEVICES), "--seq", str(SEQ),
+                          "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == json.loads(json.dumps(result["rows"])) and [r["private"] for r in rows] == [False, True]
+    planned = planner.plan_memory(str(model), DEVICES, DEVICES, SEQ, "bf16", 3, remat="block")
+    assert [r["planned_bytes"] for r in rows] == [planned.total_non_dp, planned.total]
+    for r in rows:
+        assert r["planned_over_compiled"] == pytest.approx(r["planned_bytes"] / r["total_bytes"])
+    printed = capsys.readouterr().out
+    assert f"| {model} | nonprivate |" in printed and f"| {model} | dp |" in printed

@@ -1,0 +1,58 @@
+"""The planner's Llama-family presets against the TPU compiler: ``dpzero plan --compile`` for each, on one slice.
+
+For each preset (default: Mistral-7B, Llama-3-8B, Qwen2-7B, Gemma-7B -- none of them used to design the planner's
+formulas) the plan and the compiled non-private and DP steps (:func:`dpzero_jax.planner.compile_plan`: the trainer's
+ZeRO step, remat ``block``, one sequence per chip) on ``--topology`` (default v5e:16x16, 256 chips, fsdp over all of
+them), printed as a table and written as JSON. Needs libtpu (the ``tpu-aot`` extra, its own environment)::
+
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 /work/venv-tpu/bin/python \\
+        experiments/planner_presets_tpu.py [--models mistral-7b,gemma-7b] [--seq 2048]
+
+A preset is compiled as the project's Llama with the preset's sizes (Gemma's embedding scaling and soft-caps are not
+in a preset: ``docs/planner.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from dpzero_jax import planner
+
+DEFAULT_MODELS = ("mistral-7b", "llama-3-8b", "qwen2-7b", "gemma-7b")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "planner_presets_tpu.json")
+GiB = 2**30
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--topology", default="v5e:16x16")
+    parser.add_argument("--chips", type=int, default=256, help="the topology's chip count (default 256)")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    rows = []
+    for model in args.models.split(","):
+        plan = planner.plan_memory(model, args.chips, args.chips, args.seq, "bf16", 3, remat="block")
+        for compiled in planner.compile_plan(model, plan, args.topology):
+            planned = plan.total if compiled.private else plan.total_non_dp
+            rows.append({"model": model, **compiled.to_dict(), "planned_bytes": planned,
+                         "planned_over_compiled": planned / compiled.total_bytes if compiled.total_bytes else None})
+    print("| model | step | compiled GiB (args + temp) | planner GiB | planner / compiled | fits |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        total = "refused" if r["total_bytes"] is None else f"{r['total_bytes'] / GiB:.3f}"
+        ratio = "-" if r["planned_over_compiled"] is None else f"{r['planned_over_compiled']:.2f}"
+        print(f"| {r['model']} | {'dp' if r['private'] else 'nonprivate'} | {total} | {r['planned_bytes'] / GiB:.3f} "
+              f"| {ratio} | {r['fits']} |")
+    result = {"topology": args.topology, "seq": args.seq, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
