@@ -378,7 +378,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also compile the non-private and the DP step for TARGET and print the compiler's "
                              "bytes per device beside the plan: a TPU topology (v5e:16x16, v5p:4x4x8; libtpu, the "
                              "tpu-aot extra, compiles for it on any host) or 'local' (this host's devices)")
-    parser.add_argument("--strategy", default="gspmd", choices=aot.STRATEGIES,
+    parser.add_argument("--strategy", default=None, choices=aot.STRATEGIES,
                         help="with --compile: the trainer's sharding strategy (default gspmd)")
 
 
@@ -393,8 +393,10 @@ def run(args: argparse.Namespace) -> str:
     config = resolve_model(args.model)
     plan = plan_memory(config, args.devices, args.batch, config.n_ctx if args.seq is None else args.seq,
                        args.precision, args.zero, args.remat, args.shards, args.peft, args.lora_rank)
-    target = getattr(args, "compile", None)   # a Namespace built by hand may lack the optional flags
-    compiled = [] if target is None else compile_plan(args.model, plan, target, getattr(args, "strategy", "gspmd"))
+    target, strategy = getattr(args, "compile", None), getattr(args, "strategy", None)   # absent: built by hand
+    if strategy is not None and target is None:
+        raise ValueError("--strategy chooses how --compile builds the step; give --compile TARGET with it")
+    compiled = [] if target is None else compile_plan(args.model, plan, target, strategy or "gspmd")
     if args.json:
         return json.dumps({**plan.to_dict(), **({"compiled": [c.to_dict() for c in compiled]} if compiled else {})},
                           indent=2)

@@ -89,7 +89,9 @@ def test_plan_compile_prints_the_compiled_steps_beside_the_plan(tmp_path, capsys
     assert "non-DP" in text and "DP (auto)" in text
 
 
-def test_compile_targets_are_checked_before_anything_is_built():
+def test_compile_targets_are_checked_before_anything_is_built(capsys):
+    assert planner.main(["--model", "gpt2", "--batch", "8", "--strategy", "explicit"]) == 2
+    assert "--strategy chooses how --compile builds the step" in capsys.readouterr().err
     with pytest.raises(ValueError, match="expected 'local' or a TPU topology name"):
         aot.target_devices("tpu-v5e")
     with pytest.raises(ValueError, match="fewer than the 4096 planned"):
