@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
             planned = plan.total if compiled.private else plan.total_non_dp
             rows.append({"model": model, **compiled.to_dict(), "planned_bytes": planned,
                          "planned_over_compiled": planned / compiled.total_bytes if compiled.total_bytes else None})
-    print("| model | step | compiled GiB (args + temp) | planner GiB | planner / compiled | fits |")
+    print("| model | step | compiled GiB (total per chip) | planner GiB | planner / compiled | fits |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         total = "refused" if r["total_bytes"] is None else f"{r['total_bytes'] / GiB:.3f}"
