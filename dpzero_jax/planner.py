@@ -21,7 +21,7 @@
   (gathered table, logits) and, for a ``d``-sharded table with a data axis, its whole gradients; with the DP
   step's extra buffers (its gradient shard; a tied table's per-example gradients and clipped sum where ghost
   book-keeps it). Within 10% of the TPU compiler's bytes for GPT-2 XL and Llama-2-7B on 256 chips, not for GPT-J-6B
-  (0.79 / 0.90), 0.79-1.27 on other shapes (``docs/planner.md``).
+  (0.79 / 0.90), 0.72-1.33 on other shapes, the Llama-family presets included (``docs/planner.md``).
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,
   Appendix A): ``min(2 T^2, rows * cols)`` fp32 numbers per example -- the two ``T x T`` Grams ``A A^T`` and
   ``G G^T`` of the ghost norm, or the instantiated ``rows x cols`` per-example gradient -- with ``T`` the positions
