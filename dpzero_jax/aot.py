@@ -64,11 +64,9 @@ def target_devices(target: str, count: int | None = None) -> list:
 
     if target == "local":
         if count is not None:   # on a CPU host, as many virtual devices (only before JAX's first operation)
-            try:
-                if jax.config.jax_num_cpu_devices < count:
-                    jax.config.update("jax_num_cpu_devices", count)
-            except (RuntimeError, TypeError, ValueError):
-                pass   # JAX already started: the devices that exist are used
+            from dpzero_jax.train_setup import request_cpu_device_count
+
+            request_cpu_device_count(count)
         devices = jax.devices()
         if count is not None and count > len(devices):
             raise ValueError(f"compile target 'local' has {len(devices)} {devices[0].platform} device(s), fewer than "
@@ -157,8 +155,9 @@ def training_step(graphdef, params, trainable, rules, dp_config, strategy: str =
     from dpzero_jax.engine import private_value_and_grad
     from dpzero_jax.models.objectives import lm_objective
 
-    if strategy not in STRATEGIES + ("gspmd-nohint",):
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    known = STRATEGIES + ("gspmd-nohint",)   # the last: gspmd without the activation hint (experiments only)
+    if strategy not in known:
+        raise ValueError(f"strategy must be one of {known}, got {strategy!r}")
 
     def objective(frozen):   # built inside the step: the frozen weights are its arguments, not constants
         _, fn = lm_objective(nnx.merge(graphdef, params, frozen), trainable=trainable)

@@ -224,12 +224,17 @@ def request_cpu_devices(cfg: TrainConfig) -> None:
     shape = _mesh_shape(cfg)
     if shape is None:
         return
-    local = shape.size // (cfg.num_processes or 1)
+    request_cpu_device_count(shape.size // (cfg.num_processes or 1))
+
+
+def request_cpu_device_count(count: int) -> None:
+    """At least ``count`` virtual CPU devices in this process; only effective before JAX's first operation (after
+    it, the devices that exist are used), irrelevant on GPU / TPU."""
     try:
-        if jax.config.jax_num_cpu_devices < local:
-            jax.config.update("jax_num_cpu_devices", local)
+        if jax.config.jax_num_cpu_devices < count:
+            jax.config.update("jax_num_cpu_devices", count)
     except (RuntimeError, TypeError, ValueError):
-        pass  # JAX already started: the devices that exist are used
+        pass  # JAX already started
 
 
 def init_distributed(cfg: TrainConfig) -> None:
