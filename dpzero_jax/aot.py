@@ -28,9 +28,9 @@ import time
 TPU_INSTALL_HINT = ('compiling for a TPU topology needs libtpu (the TPU compiler): pip install -e ".[tpu-aot]" in '
                     'an environment of its own (jax[tpu] at the version of jax)')
 STRATEGIES = ("gspmd", "explicit")
-# HBM per chip of the TPU generations a topology name starts with (Google Cloud's figures); the compiler keeps some
-# for itself (v5e: it reports 15.75 of the 16 GiB available) and does not always refuse a program that exceeds the
-# chip (GPT-2 XL's private step without remat on v5e compiled at 16.4 GiB a chip), so a total is checked against it
+# HBM per chip of the TPU generations a topology name starts with (Google Cloud's figures): what a `local` GPU's
+# bytes_limit is for a GPU. A TPU target needs no such check: the TPU compiler refuses a step whose buffers need more
+# than the chip's usable HBM (v5e: 15.75 of its 16 GiB), so a step it returns fits (CompiledMemory.fits)
 TPU_HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 10**9, "v6e": 32 * 2**30}
 
 # the TPU compiler's two out-of-memory phrasings: "Used 29.3G of 15.75G hbm" and "the total memory required for HLO
@@ -225,10 +225,14 @@ def lower_step(step, tx, rules, params, frozen, global_batch: int, seq: int):
 class CompiledMemory:
     """One compiled step's bytes per device (``memory_analysis()``), or the compiler's refusal.
 
-    ``total_bytes``: arguments + temporaries + the outputs not aliased to a donated argument -- what one device holds
-    while the step runs, by the compiler's accounting (``docs/planner.md`` compares it with the plan). ``refused``:
-    the compiler's out-of-memory message (then ``needed_bytes`` / ``available_bytes`` where it states them, the
-    other figures None)."""
+    ``total_bytes``: arguments + temporaries + the outputs not aliased to a donated argument, by
+    ``memory_analysis()``'s accounting (``docs/planner.md`` compares it with the plan). ``peak_bytes``: the compiler's
+    own high-water mark of the step's device memory (``peak_memory_in_bytes``; None where the compiler does not
+    report one): the most bytes live at once. On a TPU the two differ: ``temp_size_in_bytes`` also counts buffers
+    outside the HBM heap (the on-chip VMEM scratch among them), so the total can exceed a chip whose HBM holds the
+    step (GPT-2 XL's private step without remat on 256 v5e chips: total 16.40 GiB, peak 15.06 GiB, accepted against
+    the chip's usable 15.75 GiB). ``refused``: the compiler's out-of-memory message (then ``needed_bytes`` /
+    ``available_bytes`` where it states them, the other figures None)."""
 
     target: str
     private: bool
@@ -243,6 +247,7 @@ class CompiledMemory:
     needed_bytes: int | None = None
     available_bytes: int | None = None
     hbm_bytes: int | None = None   # the device's memory where known (TPU_HBM_BYTES; a GPU's bytes_limit)
+    peak_bytes: int | None = None  # the compiler's peak_memory_in_bytes, where it reports one
 
     @property
     def total_bytes(self) -> int | None:
@@ -252,9 +257,15 @@ class CompiledMemory:
 
     @property
     def fits(self) -> bool | None:
-        """False if the compiler refused or the total exceeds the device's memory; None where that is unknown."""
+        """Whether the step fits one device. A TPU target (a topology): the compiler's verdict -- it refuses a step
+        whose buffers exceed the chip's usable HBM and returns one that fits (``bench_compiled.fits``, criterion
+        ``"compiler"``). A local device: False if the total exceeds its memory (XLA:GPU allocates arguments,
+        outputs and one temporary buffer of ``temp_size_in_bytes``); None where the device's memory is unknown
+        (a CPU)."""
         if self.refused is not None:
             return False
+        if not self.target.startswith("local"):
+            return True
         return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
 
     def to_dict(self) -> dict:
@@ -324,7 +335,8 @@ def compiled_memory(model, target: str, *, devices: int | None, batch: int, seq:
                               available_bytes=stated.get("hbm_bytes"), hbm_bytes=hbm)
     return CompiledMemory(label, private, count, mesh_text, int(memory.argument_size_in_bytes),
                           int(memory.output_size_in_bytes), int(memory.alias_size_in_bytes),
-                          int(memory.temp_size_in_bytes), time.perf_counter() - start, hbm_bytes=hbm)
+                          int(memory.temp_size_in_bytes), time.perf_counter() - start, hbm_bytes=hbm,
+                          peak_bytes=int(getattr(memory, "peak_memory_in_bytes", 0) or 0) or None)
 
 
 def _exact_config(model, seq: int, remat: str):

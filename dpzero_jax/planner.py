@@ -428,9 +428,9 @@ def format_compiled(plan: MemoryPlan, compiled: list) -> str:
     memory = f"; {hbm / GiB:.2f} GiB a device" if hbm else "; the device's memory unknown here"
     lines = [f"compiled for {first.target} ({first.devices} devices, mesh {first.mesh}{memory}); bytes per device "
              "from memory_analysis()",
-             f"{'step':<12} {'arguments':>10} {'temporaries':>12} {'total':>10} {'plan':>10} {'plan/compiled':>14}"
-             f"  fits",
-             "-" * 79]
+             f"{'step':<12} {'arguments':>10} {'temporaries':>12} {'total':>10} {'peak':>10} {'plan':>10} "
+             f"{'plan/total':>11}  fits",
+             "-" * 87]
     for c in compiled:
         name = "DP (auto)" if c.private else "non-DP"
         planned = plan.total if c.private else plan.total_non_dp
@@ -440,11 +440,15 @@ def format_compiled(plan: MemoryPlan, compiled: list) -> str:
             lines.append(f"{name:<12} refused by the compiler (does not fit){stated}")
             continue
         fits = {True: "yes", False: "NO", None: "-"}[c.fits]
+        peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / GiB:.3f}"
         lines.append(f"{name:<12} {c.argument_bytes / GiB:>10.3f} {c.temp_bytes / GiB:>12.3f} "
-                     f"{c.total_bytes / GiB:>10.3f} {planned / GiB:>10.3f} {planned / c.total_bytes:>14.2f}  {fits}")
-    lines.append("total: arguments + temporaries + outputs not aliased to donated arguments (the plan's totals are "
-                 "estimates: docs/planner.md); fits: total <= the device's memory (the runtime keeps some of it: "
-                 "v5e's compiler counts 15.75 of its 16 GiB)")
+                     f"{c.total_bytes / GiB:>10.3f} {peak:>10} {planned / GiB:>10.3f} "
+                     f"{planned / c.total_bytes:>11.2f}  {fits}")
+    lines.append("total: arguments + temporaries + outputs not aliased to donated arguments; peak: the compiler's "
+                 "high-water mark of live bytes (a TPU's temporaries also count on-chip scratch); the plan's totals "
+                 "are estimates (docs/planner.md). fits: for a TPU topology the compiler's verdict (it refuses a "
+                 "step whose buffers exceed the chip's usable HBM, v5e 15.75 of 16 GiB); for a local device, total "
+                 "<= its memory")
     return "\n".join(lines)
 
 

@@ -40,14 +40,18 @@ def main(argv=None) -> dict:
         for compiled in planner.compile_plan(model, plan, args.topology):
             planned = plan.total if compiled.private else plan.total_non_dp
             rows.append({"model": model, **compiled.to_dict(), "planned_bytes": planned,
-                         "planned_over_compiled": planned / compiled.total_bytes if compiled.total_bytes else None})
-    print("| model | step | compiled GiB (total per chip) | planner GiB | planner / compiled | fits |")
-    print("|---|---|---|---|---|---|")
+                         "planned_over_compiled": planned / compiled.total_bytes if compiled.total_bytes else None,
+                         "planned_over_peak": planned / compiled.peak_bytes if compiled.peak_bytes else None})
+    print("| model | step | compiled GiB (total per chip) | peak GiB | planner GiB | planner / compiled | "
+          "planner / peak | fits |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         total = "refused" if r["total_bytes"] is None else f"{r['total_bytes'] / GiB:.3f}"
         ratio = "-" if r["planned_over_compiled"] is None else f"{r['planned_over_compiled']:.2f}"
-        print(f"| {r['model']} | {'dp' if r['private'] else 'nonprivate'} | {total} | {r['planned_bytes'] / GiB:.3f} "
-              f"| {ratio} | {r['fits']} |")
+        peak = "-" if not r["peak_bytes"] else f"{r['peak_bytes'] / GiB:.3f}"
+        over_peak = "-" if r["planned_over_peak"] is None else f"{r['planned_over_peak']:.2f}"
+        print(f"| {r['model']} | {'dp' if r['private'] else 'nonprivate'} | {total} | {peak} "
+              f"| {r['planned_bytes'] / GiB:.3f} | {ratio} | {over_peak} | {r['fits']} |")
     result = {"topology": args.topology, "seq": args.seq, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

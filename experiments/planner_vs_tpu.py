@@ -72,14 +72,16 @@ def compile_spec(case: tpu_aot.Case, variant: str, dump: str | None = None) -> d
     memory = compiled.memory_analysis()
     return {"mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}", "topology": case.topology,
             "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
+            "peak_bytes": tpu_aot.peak_bytes(memory),
             "T": case.T, "examples_per_chip": case.B, "compile_seconds": round(seconds[1], 1),
             **(tpu_aot.take_dump(dump) if dump else {})}
 
 
 def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
-    """Rows ``{case, mesh, variant, compiled, planner, ratio, allocated, allocated_ratio}`` (GiB) for the compiled
-    points of ``case``; ``allocated`` (None without a buffer assignment): the compiler's HBM total, arguments + its
-    preallocated temporary buffer (the outputs alias the donated arguments)."""
+    """Rows ``{case, mesh, variant, compiled, planner, ratio, allocated, allocated_ratio, peak, peak_ratio}`` (GiB)
+    for the compiled points of ``case``; ``allocated`` (None without a buffer assignment): the compiler's HBM total,
+    arguments + its preallocated temporary buffer (the outputs alias the donated arguments); ``peak`` (None where
+    not recorded): the compiler's high-water mark of live bytes, ``peak_memory_in_bytes``."""
     rows = []
     config = decoder_config(case)
     for variant in ("nonprivate", "dp"):
@@ -93,11 +95,12 @@ def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
                                    peft="lora" if case.lora_rank else None, lora_rank=case.lora_rank or 8)
         compiled = point["argument_bytes"] + point["temp_bytes"]
         mine = plan.total if variant == "dp" else plan.total_non_dp
-        allocated = point.get("default_space_bytes")
+        allocated, peak = point.get("default_space_bytes"), point.get("peak_bytes")
         rows.append({"case": case.name, "mesh": point["mesh"], "variant": variant, "compiled": compiled / GIB,
                      "planner": mine / GIB, "ratio": mine / compiled,
                      "allocated": allocated / GIB if allocated else None,
-                     "allocated_ratio": mine / allocated if allocated else None})
+                     "allocated_ratio": mine / allocated if allocated else None,
+                     "peak": peak / GIB if peak else None, "peak_ratio": mine / peak if peak else None})
     return rows
 
 
@@ -136,12 +139,13 @@ def main(argv=None) -> list[dict]:
     if dump:
         shutil.rmtree(dump, ignore_errors=True)
     print("| case | mesh | step | compiled GiB (args + temp) | planner GiB | planner / compiled | allocated GiB "
-          "(args + preallocated temp) | planner / allocated |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(args + preallocated temp) | planner / allocated | peak GiB | planner / peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         allocated = (f"{r['allocated']:.3f} | {r['allocated_ratio']:.2f}" if r["allocated"] is not None else "- | -")
+        peak = f"{r['peak']:.3f} | {r['peak_ratio']:.2f}" if r["peak"] is not None else "- | -"
         print(f"| {r['case']} | {r['mesh']} | {r['variant']} | {r['compiled']:.3f} | {r['planner']:.3f} "
-              f"| {r['ratio']:.2f} | {allocated} |")
+              f"| {r['ratio']:.2f} | {allocated} | {peak} |")
     return rows
 
 

@@ -68,6 +68,7 @@ def test_compiled_arguments_are_the_zero3_shards_of_the_model_states(lora_rank, 
     assert result.argument_bytes == _expected_arguments(lora_rank)
     assert result.temp_bytes > 0
     assert result.total_bytes == result.argument_bytes + result.temp_bytes + result.output_bytes - result.alias_bytes
+    assert result.peak_bytes is None or result.peak_bytes >= result.argument_bytes   # the arguments are live at once
 
 
 def test_plan_compile_prints_the_compiled_steps_beside_the_plan(tmp_path, capsys):
@@ -118,15 +119,21 @@ def test_refusal_reads_both_phrasings_of_the_tpu_compilers_out_of_memory():
     assert aot.is_oom(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory")) and not aot.is_oom(ValueError("shape"))
 
 
-def test_fits_compares_the_total_with_the_devices_memory():
-    made = dict(target="v5e:16x16", private=True, devices=256, mesh="data=4,fsdp=64", argument_bytes=3 * 2**28,
-                output_bytes=3 * 2**28, alias_bytes=3 * 2**28, hbm_bytes=aot.device_memory("v5e:16x16", None))
-    assert made["hbm_bytes"] == 16 * 2**30 and aot.device_memory("v5p:4x4x8", None) == 95 * 10**9
-    assert aot.CompiledMemory(**made, temp_bytes=15 * 2**30).fits is True
-    # a program the compiler returned although it exceeds the chip (it does not always refuse one)
-    assert aot.CompiledMemory(**made, temp_bytes=16 * 2**30).fits is False
+def test_fits_is_the_tpu_compilers_verdict_and_a_local_devices_memory():
+    made = dict(private=True, devices=256, mesh="data=4,fsdp=64", argument_bytes=3 * 2**28, output_bytes=3 * 2**28,
+                alias_bytes=3 * 2**28)
+    assert aot.device_memory("v5e:16x16", None) == 16 * 2**30 and aot.device_memory("v5p:4x4x8", None) == 95 * 10**9
+    # a TPU topology: the compiler refuses a step whose buffers exceed the chip's usable HBM, so a returned step fits
+    # even where memory_analysis()'s total (which counts on-chip scratch too) is above the chip's HBM
+    tpu = dict(made, target="v5e:16x16", hbm_bytes=aot.device_memory("v5e:16x16", None))
+    returned = aot.CompiledMemory(**tpu, temp_bytes=16 * 2**30, peak_bytes=15 * 2**30)
+    assert returned.total_bytes > returned.hbm_bytes and returned.fits is True
     refused = aot.CompiledMemory("v5e:16x16", True, 256, "data=4,fsdp=64", refused="RESOURCE_EXHAUSTED: ...")
     assert refused.fits is False and refused.total_bytes is None
+    # a local device (a GPU's bytes_limit): the total against its memory
+    gpu = dict(made, target="local:gpu", hbm_bytes=16 * 2**30)
+    assert aot.CompiledMemory(**gpu, temp_bytes=15 * 2**30).fits is True
+    assert aot.CompiledMemory(**gpu, temp_bytes=16 * 2**30).fits is False
     assert aot.CompiledMemory("local:cpu", True, 4, "data=1,fsdp=4", 1, 1, 1, 1).fits is None
     assert aot.device_memory("local", jax.devices()[0]) is None   # a CPU reports no bytes_limit
 

@@ -99,3 +99,6 @@ def test_plan_compile_for_a_tpu_topology_compiles_the_experiments_step(small_lla
         assert c["target"] == "v5e:2x2" and c["mesh"] == points[variant]["mesh"] and c["refused"] is None
         assert (c["argument_bytes"], c["temp_bytes"]) == (points[variant]["argument_bytes"],
                                                           points[variant]["temp_bytes"]), variant
+        # the compiler's high-water mark: above the arguments, below memory_analysis()'s total (which also counts
+        # the on-chip scratch); a step the TPU compiler returns fits the chip
+        assert c["argument_bytes"] < c["peak_bytes"] < c["total_bytes"] and c["fits"] is True, variant
