@@ -352,9 +352,11 @@ def weighted_blocks(value: Array, coef: Array) -> Array:
 
 def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla", dtype=jnp.float32,
                  scatter_apart: bool = False) -> Array:
-    """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, in ``dtype`` (float32 unless asked otherwise:
-    an ``Outer`` use's contraction, or its rows' scatter, then writes the sum in ``dtype`` as the non-private
-    gradient of a parameter used at that precision does; ``Direct`` uses and the Pallas kernel stay float32).
+    """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, accumulated in float32 and returned in
+    ``dtype`` (float32 by default: the privatized sum is float32 -- a sum rounded to half precision before the noise
+    would move by more than one example's clipped contribution when one example changes, see
+    ``docs/privacy.md``). An ``Outer`` use's contraction takes its half-precision left factor (the records) as it
+    is and the float32 ``coef_i``-scaled right factor unrounded (a mixed-precision contraction, float32 result).
     ``scatter_apart``: an embedding use's scatter-add is formed into zeros behind an ``optimization_barrier``, not
     folded into the other uses' sum (under GSPMD a tied table's ``d``-sharded sum was otherwise all-gathered again
     to scatter into: GPT-2 XL's layer-wise step on 256 TPU chips moved one more ``[V, d]`` gather a step).
@@ -373,15 +375,15 @@ def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla
         else:
             right = _zero_where_inactive(_f32(u.right), active) * coef[:, None, None]
             if u.left_is_ids:
-                flat = jnp.zeros((u.rows, u.cols), dtype)
-                part = flat.at[u.left.reshape(-1)].add(right.reshape(-1, u.cols).astype(dtype)).reshape(u.shape)
+                flat = jnp.zeros((u.rows, u.cols), jnp.float32)
+                part = flat.at[u.left.reshape(-1)].add(right.reshape(-1, u.cols)).reshape(u.shape)
                 if scatter_apart and len(uses) > 1:
                     part = jax.lax.optimization_barrier(part)
             elif kernel == "pallas" and ghost_norm.has_kernel("weighted_sum", u.left, u.right):
                 part = ghost_norm.weighted_sum(u.left, u.right, coef).reshape(u.shape)
             else:
                 left = _zero_where_inactive(u.left, active)
-                part = jnp.einsum("btr,btc->rc", left, right.astype(left.dtype),
-                                  preferred_element_type=dtype).reshape(u.shape)
+                part = jax.lax.dot_general(left, right, (((0, 1), (0, 1)), ((), ())),
+                                           preferred_element_type=jnp.float32).reshape(u.shape)
         total = part if total is None else total + part
-    return total
+    return total.astype(dtype)

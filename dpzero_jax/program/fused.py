@@ -192,14 +192,16 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, shared_records: d
         tap.defvjp(forward, backward)
         return [tap(y_data, link, jax.lax.stop_gradient(w), ops)]
 
-    def handler(site, invals, site_input, records):
+    def handler(site, invals, site_input, records, view32=None):
         if site.path in booked_sites:
             return _book(site, invals, site_input, records, site.path in shared_records)
         if site_input is None:
             return member(site, invals)
         sink, keep, threshold, member_leaves = site_input
         members = [sites[p] for p in heads[site.path][1]]
-        views = [sites_lib.replay_chain(m, leaf) for m, leaf in zip(members, member_leaves)]
+        # the members' views from their leaves without casts: each example's clipped member gradient, returned to
+        # them, is summed over the examples (and devices) in the leaf's float32, never in a half-precision view
+        views = [sites_lib.replay_chain(m, leaf, skip_casts=True) for m, leaf in zip(members, member_leaves)]
         bases = [leaf.shape for leaf in member_leaves]   # inside a scan: the per-iteration slices
         w = invals[site.param_operand]
         ops = [invals[i] for i in site.recorded]
@@ -207,12 +209,16 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, shared_records: d
         shapes = [(o.shape, o.dtype) for o in ops]
         if site.kind == "local" and site.eqn.primitive.name in INPUT_FREE:
             ok, held = jnp.asarray(True), []
-            y_weight = sites_lib.apply_site(site, w, [jnp.zeros(shape, dtype) for shape, dtype in shapes])
+            zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes]
+            y_weight = (sites_lib.apply_site(site, w, zeros) if view32 is None else
+                        sites_lib.apply_site_float32(site, view32, zeros))
         else:
             # The weight path and the norm see the operands with non-finite entries zeroed: an example with one
             # gets C = 0 (its norm is reported NaN), and 0 * NaN would not be 0 in the weight's contraction.
             ok, held = sites_lib.finite_operands([jax.lax.stop_gradient(o) for o in ops])
-            y_weight = sites_lib.apply_site(site, w, held)
+            y_weight = (sites_lib.apply_site(site, w, held) if view32 is None else
+                        sites_lib.apply_site_float32(site, view32, held))
+        weight_dtype = y_weight.dtype
 
         @jax.custom_vjp
         def tap(y_data, y_weight, w, held, ok, sink, keep, threshold, views):
@@ -232,7 +238,8 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, shared_records: d
             coef = clipping.coefficients(jnp.sqrt(sq).reshape(1, 1), jnp.reshape(threshold, (1,)),
                                          jnp.reshape(keep, (1,)), clip_fn, gamma)[0, 0]
             member_scaled = [sites_lib.scaled(grad, coef) for grad in member_grads]
-            return g, sites_lib.scaled(g, coef), None, [None] * len(held), None, sq, None, None, member_scaled
+            return (g, sites_lib.scaled(g, coef, weight_dtype), None, [None] * len(held), None, sq, None, None,
+                    member_scaled)
 
         tap.defvjp(forward, backward)
         out, member_links = tap(y_data, y_weight, jax.lax.stop_gradient(w), held, ok, sink, keep, threshold, views)
@@ -240,6 +247,7 @@ def _fused_handler(plan, heads: dict, booked_sites: frozenset, shared_records: d
         return [out]
 
     handler.state = links   # the interpreter threads the links through a use it wraps (ZeRO-3 gathering)
+    handler.float32_views = True   # and passes each site's float32 view (sites.float32_view)
     return handler
 
 

@@ -126,14 +126,18 @@ def squared_norm(site, method: str, w, ops, g):
     return jnp.sum(jnp.square(sites_lib.base_grad(site, w, ops, g, sites_lib.base_shape(site))))
 
 
-def _remat_tap(site, w, ops, sink, method: str):
+def _remat_tap(site, w, ops, sink, method: str, view32=None):
     """A ghost site inside a ``remat`` region: one ``custom_vjp`` of (view, operands, sink) whose backward returns
     the data cotangents, the sink's squared norm and the parameter gradient scaled by the port's cotangent, formed per
     example (``[B, *shape]`` under ``vmap`` before the sum: slower than the weight path below, but nothing of the
-    block is kept beyond what the rematerialised backward recomputes -- the weight path's operand copy would be)."""
+    block is kept beyond what the rematerialised backward recomputes -- the weight path's operand copy would be).
+    ``view32``: the float32 view of a narrowed float32 leaf (:func:`~dpzero_jax.program.sites.float32_view`): the
+    tap takes it instead of ``w`` (its value cast back is ``w``), and returns the gradient in float32."""
+    narrow = None if view32 is None else w.dtype
+
     @jax.custom_vjp
     def with_port(w, ops, sink):
-        return sites_lib.apply_site(site, w, ops), sink * 0.0
+        return sites_lib.apply_site(site, w if narrow is None else w.astype(narrow), ops), sink * 0.0
 
     def forward(w, ops, sink):
         return with_port(w, ops, sink), (w, ops)
@@ -142,9 +146,14 @@ def _remat_tap(site, w, ops, sink, method: str):
         w, ops = saved
         g, coef = cotangents
         # a zero coefficient selects the gradient away and non-finite entries are zeroed, as on the weight path
-        g_kept = sites_lib.scaled(g, coef)
         _, ops_kept = sites_lib.finite_operands(ops)
-        _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops_kept), w)
+        if narrow is None:
+            g_kept = sites_lib.scaled(g, coef)
+            _, pullback = jax.vjp(lambda w_: sites_lib.apply_site(site, w_, ops_kept), w)
+        else:
+            g_kept = sites_lib.scaled(g, coef, jnp.float32)
+            _, pullback = jax.vjp(lambda w_: sites_lib.apply_site_float32(site, w_, ops_kept), w)
+            w = w.astype(narrow)
         floats = [i for i, o in enumerate(ops) if jnp.issubdtype(o.dtype, jnp.inexact)]   # ids get no cotangent
         data = [None] * len(ops)
 
@@ -160,7 +169,7 @@ def _remat_tap(site, w, ops, sink, method: str):
         return pullback(g_kept)[0], data, squared_norm(site, method, w, ops, g).astype(jnp.float32)
 
     with_port.defvjp(forward, backward)
-    return with_port(w, ops, sink)
+    return with_port(w if view32 is None else view32, ops, sink)
 
 
 def _port_key(path: tuple) -> tuple:
@@ -169,7 +178,7 @@ def _port_key(path: tuple) -> tuple:
     return path + (-1,)
 
 
-def _weighted_site(site, invals, site_input, records):
+def _weighted_site(site, invals, site_input, records, view32=None):
     """A site of a weighted leaf: book-keeping's probe and records on the data path (the parameter under
     ``stop_gradient``), the weight path beside it, joined by a tap whose backward passes the output gradient to the
     data path (and so to the probe) and the gradient scaled by the port's cotangent to the weight path.
@@ -178,8 +187,9 @@ def _weighted_site(site, invals, site_input, records):
     w = invals[site.param_operand]
     ops = [invals[i] for i in site.recorded]
     records[site.path] = list(jax.lax.optimization_barrier(ops))   # as add_probe: the forward's values, kept
-    y_data, _, _, y_weight = sites_lib.data_and_weight_paths(site, w, ops)
+    y_data, _, _, y_weight = sites_lib.data_and_weight_paths(site, w, ops, view32)
     y_data = y_data + probe.astype(y_data.dtype)
+    weight_dtype = y_weight.dtype
 
     @jax.custom_vjp
     def tap(y_data, y_weight, sink):
@@ -190,7 +200,7 @@ def _weighted_site(site, invals, site_input, records):
 
     def backward(_, cotangents):
         g, coef = cotangents
-        return g, sites_lib.scaled(g, coef), jnp.zeros_like(coef)
+        return g, sites_lib.scaled(g, coef, weight_dtype), jnp.zeros_like(coef)
 
     tap.defvjp(forward, backward)
     out, records[_port_key(site.path)] = tap(y_data, y_weight, sink)
@@ -207,17 +217,18 @@ def _ghost_handler(ghost_paths: frozenset, method: str, in_remat: frozenset = fr
     differentiated by autodiff under the per-example ``vmap``, whose transpose contracts the examples in the same
     operation as the non-private gradient (a parameter gradient returned per example from the tap would be
     instantiated ``[B, *shape]`` and then summed); its forward value is unused and compiled away."""
-    def handler(site, invals, site_input, records):
+    def handler(site, invals, site_input, records, view32=None):
         if site.path in weighted_paths:
-            return _weighted_site(site, invals, site_input, records)
+            return _weighted_site(site, invals, site_input, records, view32)
         if site.path not in ghost_paths:
             return add_probe(site, invals, site_input, records)
         w = invals[site.param_operand]
         ops = [invals[i] for i in site.recorded]
         if site.path in in_remat:
-            out, records[site.path] = _remat_tap(site, w, ops, site_input, method)
+            out, records[site.path] = _remat_tap(site, w, ops, site_input, method, view32)
             return [out]
-        y_data, ok, held, y_weight = sites_lib.data_and_weight_paths(site, w, ops)
+        y_data, ok, held, y_weight = sites_lib.data_and_weight_paths(site, w, ops, view32)
+        weight_dtype = y_weight.dtype
 
         @jax.custom_vjp
         def tap(y_data, y_weight, w, held, ok, sink):
@@ -235,12 +246,13 @@ def _ghost_handler(ghost_paths: frozenset, method: str, in_remat: frozenset = fr
             # jit the other one is dead code. An example with a non-finite operand has its norm reported NaN (and
             # so the coefficient 0); a zero coefficient selects its gradient away (never NaN * 0).
             sq = jnp.where(ok, squared_norm(site, method, w, held, g).astype(jnp.float32), jnp.nan)
-            return g, sites_lib.scaled(g, coef), None, [None] * len(held), None, sq
+            return g, sites_lib.scaled(g, coef, weight_dtype), None, [None] * len(held), None, sq
 
         tap.defvjp(forward, backward)
         out, port = tap(y_data, y_weight, jax.lax.stop_gradient(w), held, ok, site_input)
         records[site.path] = port
         return [out]
+    handler.float32_views = True   # the interpreter passes each site's float32 view (sites.float32_view)
     return handler
 
 

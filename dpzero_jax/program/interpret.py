@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
@@ -84,6 +85,9 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
             env[v] = unit_axis.restore(squeezed[v][0], v.aval.shape)
         return env[v]
 
+    def lookup(v):   # a variable of this (sub-)program, or None (a view's chain may start in an enclosing one)
+        return read(v) if v in env or v in squeezed else None
+
     def read_dropped(v, n: int):
         if n and v in squeezed and squeezed[v][1] == n:
             return squeezed[v][0]
@@ -111,11 +115,13 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
             if sharded:
                 state = getattr(handler, "state", None)
                 outs, inner, state_out = zero3.at_use(_handled(handler, site, state), invals, probes[here],
-                                                      dict(state or {}))
+                                                      dict(state or {}), _float32_deferred(handler, site, invals))
                 records.update(inner)
                 if state is not None:
                     state.clear()
                     state.update(state_out)
+            elif getattr(handler, "float32_views", False):
+                outs = handler(site, invals, probes[here], records, view32=_float32_view(site, invals, lookup))
             else:
                 outs = handler(site, invals, probes[here], records)
         elif here in analysis.containers:
@@ -134,6 +140,21 @@ def run(jaxpr, consts, args, analysis: Analysis, probes: dict, records: dict, pa
     return [zero3.materialise(read(v)) for v in jaxpr.outvars]
 
 
+def _float32_view(site, invals, read):
+    """For a handler with ``float32_views`` (ghost's and fused mode's weight paths): the site's view replayed in
+    float32 from the leaf or slice its chain starts from (:func:`~dpzero_jax.program.sites.float32_view`), or None.
+    A view gathered at its use from ZeRO-3 shards takes :func:`_float32_deferred` instead."""
+    from dpzero_jax.program import sites as sites_lib  # sites imports this module
+
+    chain = site.view.chain
+    if not chain or isinstance(chain[0].invars[0], jcore.Literal):
+        return None
+    base = read(chain[0].invars[0])
+    if base is None or zero3.holds_deferred([base]):
+        return None
+    return sites_lib.float32_view(site, invals[site.param_operand], base)
+
+
 def _inlinable(eqn) -> bool:
     """A call without shardings or layouts of its own (a ``jax.jit`` that fixes them is left a jit: inlined, its
     partitioning would be the caller's)."""
@@ -146,15 +167,34 @@ def _inlinable(eqn) -> bool:
             and all(layout is None for layout in layouts))
 
 
+def _float32_deferred(handler, site, invals):
+    """For a handler with ``float32_views``, a site whose view is gathered from ZeRO-3 shards cast to half precision
+    before the gather: the same view gathered without the cast (a :class:`~dpzero_jax.program.zero3.Deferred` in
+    float32), else None. Only the weight path's transpose reads it: its forward gather is dead code, and its
+    cotangent is reduce-scattered to the float32 shard."""
+    w = invals[site.param_operand]
+    if (not getattr(handler, "float32_views", False) or not isinstance(w, zero3.Deferred)
+            or all(c is None for c in w.casts)):
+        return None
+    return zero3.Deferred(w.shards, w.dims, w.fn)
+
+
 def _handled(handler, site, state: dict | None):
-    """The site's handler as a pure function of its operand values, site input and the handler's ``state`` (arrays
-    one site leaves for another, e.g. fused mode's links; None: no state): ``(outputs, records, state after)``."""
-    def use(values, site_input, state_in):
+    """The site's handler as a pure function of its operand values, site input, the handler's ``state`` (arrays
+    one site leaves for another, e.g. fused mode's links; None: no state) and the float32 view
+    (:func:`_float32_deferred` made whole, or None): ``(outputs, records, state after)``."""
+    def use(values, site_input, state_in, view32=None):
         if state is not None:
             state.clear()
             state.update(state_in)
         inner: dict = {}
-        outs = handler(site, values, site_input, inner)
+        w = values[site.param_operand]
+        if view32 is not None and (view32.dtype != jnp.float32 or w.dtype == jnp.float32):
+            view32 = None
+        if getattr(handler, "float32_views", False):
+            outs = handler(site, values, site_input, inner, view32=view32)
+        else:
+            outs = handler(site, values, site_input, inner)
         return outs, inner, dict(state or {})
     return use
 

@@ -330,22 +330,16 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
 
     def clipped(coef):
         if k == 1:   # under GSPMD an embedding's scatter-add apart from the other uses' sum (pergrad.weighted_sum)
-            return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel, _sum_dtype(factored),
+            return pergrad.weighted_sum(_outer_uses(factored, 0), coef, kernel,
                                         scatter_apart=spmd.batch_axes(batch) is not None)[None]
-        return _blocked_weighted_sum(factored, coef, _sum_dtype(factored))
+        return _blocked_weighted_sum(factored, coef)
     return sq, clipped
-
-
-def _sum_dtype(factored):
-    """The precision a leaf's clipped sum is formed at from its records: the widest of the dtypes its sites take
-    the parameter in -- what the non-private gradient's contractions write (a bfloat16 view of a float32 parameter:
-    bfloat16, then cast), as ghost mode's weight paths and fused mode's taps do."""
-    return jnp.result_type(*(s.eqn.invars[s.param_operand].aval.dtype for s, _ in factored))
 
 
 def _blocked_weighted_sum(factored, coef, dtype=jnp.float32):
     """``[K, rows, cols]`` in ``dtype``: ``sum_i coef_i G_{i,k}`` for every block ``k`` at once (one contraction
-    per use); examples with ``coef == 0`` selected away before multiplying (NaN-safe)."""
+    per use, written in float32 like :func:`~dpzero_jax.pergrad.weighted_sum`'s); examples with ``coef == 0``
+    selected away before multiplying (NaN-safe)."""
     active = coef != 0
     scale = coef.astype(jnp.float32)
     total = 0.0
@@ -357,7 +351,8 @@ def _blocked_weighted_sum(factored, coef, dtype=jnp.float32):
             part = jnp.zeros((k, f.rows, f.right.shape[-1]), dtype).at[blocks, f.left].add(right.astype(dtype))
         else:
             left = jnp.where(active[None, :, None, None], f.left, jnp.zeros((), f.left.dtype))
-            part = jnp.einsum("kbtr,kbtc->krc", left, right.astype(left.dtype), preferred_element_type=dtype)
+            part = jax.lax.dot_general(left, right, (((1, 2), (1, 2)), ((0,), (0,))),
+                                       preferred_element_type=jnp.float32).astype(dtype)
         total = total + part
     return total
 

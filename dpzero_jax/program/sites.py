@@ -342,18 +342,66 @@ def finite_operands(ops):
                 else o for o in ops]
 
 
-def data_and_weight_paths(site: Site, w, ops):
+def data_and_weight_paths(site: Site, w, ops, view32=None):
     """``(y_data, ok, held, y_weight)``: the site's *data path* ``f(stop_gradient(w), ops)`` (its output), and its
     *weight path* ``f(w, held)`` on the operands under ``stop_gradient`` with non-finite entries zeroed
-    (:func:`finite_operands`, whose ``ok`` it passes on): what ghost and fused taps join."""
+    (:func:`finite_operands`, whose ``ok`` it passes on): what ghost and fused taps join. ``view32``: the view
+    replayed in float32 from a float32 leaf whose chain narrows it (:func:`float32_view`); the weight path is then
+    :func:`apply_site_float32` on it, so that the clipped sum it forms is accumulated, and added over the examples
+    and devices, in float32 (see :func:`float32_view`)."""
     y_data = apply_site(site, jax.lax.stop_gradient(w), ops)
     ok, held = finite_operands([jax.lax.stop_gradient(o) for o in ops])
+    if view32 is not None:
+        return y_data, ok, held, apply_site_float32(site, view32, held)
     return y_data, ok, held, apply_site(site, w, held)
 
 
-def scaled(g, coef):
-    """One example's ``g`` times its clip coefficient; exactly zero where the coefficient is 0 (never NaN * 0)."""
-    return jnp.where(coef != 0, g * coef.astype(g.dtype), jnp.zeros((), g.dtype))
+def scaled(g, coef, dtype=None):
+    """One example's ``g`` times its clip coefficient; exactly zero where the coefficient is 0 (never NaN * 0).
+    ``dtype``: the result's (default ``g``'s); float32 for a float32 weight path: the product of a half-precision
+    ``g`` and the float32 coefficient is then not rounded to half precision."""
+    dtype = g.dtype if dtype is None else dtype
+    return jnp.where(coef != 0, g.astype(dtype) * coef.astype(dtype), jnp.zeros((), dtype))
+
+
+def float32_view(site: Site, w, base):
+    """The site's parameter view replayed in float32 from ``base`` (the float32 leaf, or its per-iteration slice,
+    that the view's chain starts from) with the chain's casts left out -- where the chain narrows it (a float32
+    master weight cast to bfloat16 at its use); else None.
+
+    A weight path on the narrow view would form its parameter's clipped sum ``sum_i C_i g_i`` as that view's
+    cotangent, in the narrow dtype: each device's sum rounded to half precision, and the devices' sums added in it,
+    before the noise. The rounding error of a sum grows with the sum (``~2^-8 |sum|`` per coordinate in bfloat16),
+    so adding or removing one example would move the released sum by more than its clipped contribution: the
+    sensitivity the noise is calibrated to would not hold (a bfloat16 MLP, 128 near-identical examples: 1.06x the
+    threshold). On the float32 view the weight path's contraction writes float32 and the sum reaches the float32
+    leaf without a cast: the per-example rounding that remains is the matmul unit's (``docs/privacy.md``)."""
+    chain = site.view.chain
+    if (w is None or base is None or not chain or jnp.dtype(getattr(base, "dtype", None)) != jnp.float32
+            or jnp.dtype(w.dtype) == jnp.float32 or not jnp.issubdtype(w.dtype, jnp.floating)):
+        return None
+    return replay_chain(site, base, skip_casts=True)
+
+
+def apply_site_float32(site: Site, w32, ops):
+    """:func:`apply_site` on a float32 view ``w32``, written in float32: a ``dot_general`` takes its half-precision
+    operands as they are (a mixed-precision contraction, preferred element type float32: its transpose keeps them,
+    not float32 copies, and writes the parameter's cotangent in float32); any other site computes on float32
+    copies of its floating operands."""
+    eqn = site.eqn
+    values, k = [], 0
+    for i, var in enumerate(eqn.invars):
+        value = w32 if i == site.param_operand else ops[k] if i in site.recorded else var.val
+        if i in site.recorded:
+            k += 1
+        values.append(value)
+    params = dict(eqn.params)
+    if eqn.primitive.name != "dot_general":
+        values = [v.astype(jnp.float32) if i != site.param_operand and hasattr(v, "dtype")
+                  and jnp.issubdtype(v.dtype, jnp.floating) else v for i, v in enumerate(values)]
+    if "preferred_element_type" in params:
+        params["preferred_element_type"] = jnp.float32
+    return bind_squeezing(eqn.replace(params=params), values, site.squeeze)[0]
 
 
 def apply_site(site: Site, w, ops):
