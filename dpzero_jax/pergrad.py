@@ -350,13 +350,13 @@ def weighted_blocks(value: Array, coef: Array) -> Array:
     return jnp.einsum("kb,kbn->kn", weights, rows).reshape((k,) + value.shape[2:])
 
 
-def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla", dtype=jnp.float32,
+def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla",
                  scatter_apart: bool = False) -> Array:
-    """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, accumulated in float32 and returned in
-    ``dtype`` (float32 by default: the privatized sum is float32 -- a sum rounded to half precision before the noise
-    would move by more than one example's clipped contribution when one example changes, see
-    ``docs/privacy.md``). An ``Outer`` use's contraction takes its half-precision left factor (the records) as it
-    is and the float32 ``coef_i``-scaled right factor unrounded (a mixed-precision contraction, float32 result).
+    """``sum_i coef_i * sum_u G_{u,i}`` with the parameter's shape, accumulated and returned in float32 (the
+    privatized sum: rounded to half precision before the noise it would move by more than one example's clipped
+    contribution when one example changes, see ``docs/privacy.md``). An ``Outer`` use's contraction takes its
+    half-precision left factor (the records) as it is and the float32 ``coef_i``-scaled right factor unrounded (a
+    mixed-precision contraction, float32 result).
     ``scatter_apart``: an embedding use's scatter-add is formed into zeros behind an ``optimization_barrier``, not
     folded into the other uses' sum (under GSPMD a tied table's ``d``-sharded sum was otherwise all-gathered again
     to scatter into: GPT-2 XL's layer-wise step on 256 TPU chips moved one more ``[V, d]`` gather a step).
@@ -386,4 +386,4 @@ def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla
                 part = jax.lax.dot_general(left, right, (((0, 1), (0, 1)), ((), ())),
                                            preferred_element_type=jnp.float32).reshape(u.shape)
         total = part if total is None else total + part
-    return total.astype(dtype)
+    return total

@@ -336,8 +336,8 @@ def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="f
     return sq, clipped
 
 
-def _blocked_weighted_sum(factored, coef, dtype=jnp.float32):
-    """``[K, rows, cols]`` in ``dtype``: ``sum_i coef_i G_{i,k}`` for every block ``k`` at once (one contraction
+def _blocked_weighted_sum(factored, coef):
+    """``[K, rows, cols]`` in float32: ``sum_i coef_i G_{i,k}`` for every block ``k`` at once (one contraction
     per use, written in float32 like :func:`~dpzero_jax.pergrad.weighted_sum`'s); examples with ``coef == 0``
     selected away before multiplying (NaN-safe)."""
     active = coef != 0
@@ -348,11 +348,11 @@ def _blocked_weighted_sum(factored, coef, dtype=jnp.float32):
         k = f.right.shape[0]
         if f.left_is_ids:
             blocks = jnp.broadcast_to(jnp.arange(k)[:, None, None], f.left.shape)
-            part = jnp.zeros((k, f.rows, f.right.shape[-1]), dtype).at[blocks, f.left].add(right.astype(dtype))
+            part = jnp.zeros((k, f.rows, f.right.shape[-1]), jnp.float32).at[blocks, f.left].add(right)
         else:
             left = jnp.where(active[None, :, None, None], f.left, jnp.zeros((), f.left.dtype))
             part = jax.lax.dot_general(left, right, (((1, 2), (1, 2)), ((0,), (0,))),
-                                       preferred_element_type=jnp.float32).astype(dtype)
+                                       preferred_element_type=jnp.float32)
         total = total + part
     return total
 

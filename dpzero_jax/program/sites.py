@@ -376,9 +376,8 @@ def float32_view(site: Site, w, base):
     sensitivity the noise is calibrated to would not hold (a bfloat16 MLP, 128 near-identical examples: 1.06x the
     threshold). On the float32 view the weight path's contraction writes float32 and the sum reaches the float32
     leaf without a cast: the per-example rounding that remains is the matmul unit's (``docs/privacy.md``)."""
-    chain = site.view.chain
-    if (w is None or base is None or not chain or jnp.dtype(getattr(base, "dtype", None)) != jnp.float32
-            or jnp.dtype(w.dtype) == jnp.float32 or not jnp.issubdtype(w.dtype, jnp.floating)):
+    if (not site.view.chain or base.dtype != jnp.float32 or w.dtype == jnp.float32
+            or not jnp.issubdtype(w.dtype, jnp.floating)):
         return None
     return replay_chain(site, base, skip_casts=True)
 
@@ -389,12 +388,7 @@ def apply_site_float32(site: Site, w32, ops):
     not float32 copies, and writes the parameter's cotangent in float32); any other site computes on float32
     copies of its floating operands."""
     eqn = site.eqn
-    values, k = [], 0
-    for i, var in enumerate(eqn.invars):
-        value = w32 if i == site.param_operand else ops[k] if i in site.recorded else var.val
-        if i in site.recorded:
-            k += 1
-        values.append(value)
+    values = _site_operands(site, w32, ops)
     params = dict(eqn.params)
     if eqn.primitive.name != "dot_general":
         values = [v.astype(jnp.float32) if i != site.param_operand and hasattr(v, "dtype")
@@ -404,8 +398,8 @@ def apply_site_float32(site: Site, w32, ops):
     return bind_squeezing(eqn.replace(params=params), values, site.squeeze)[0]
 
 
-def apply_site(site: Site, w, ops):
-    """The site's equation on the view ``w`` and its recorded operands ``ops`` (literals as traced)."""
+def _site_operands(site: Site, w, ops) -> list:
+    """The site equation's operands: the view ``w``, the recorded operands ``ops``, literals as traced."""
     values, k = [], 0
     for i, var in enumerate(site.eqn.invars):
         if i == site.param_operand:
@@ -415,7 +409,12 @@ def apply_site(site: Site, w, ops):
             k += 1
         else:
             values.append(var.val)
-    return bind_squeezing(site.eqn, values, site.squeeze)[0]
+    return values
+
+
+def apply_site(site: Site, w, ops):
+    """The site's equation on the view ``w`` and its recorded operands ``ops`` (literals as traced)."""
+    return bind_squeezing(site.eqn, _site_operands(site, w, ops), site.squeeze)[0]
 
 
 def from_tap(site: Site, grads, example_axis: int = 0):
