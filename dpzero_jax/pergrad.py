@@ -325,6 +325,13 @@ def _zero_where_inactive(x: Array, active: Array) -> Array:
     return jnp.where(_per_example(active, x.ndim), x, jnp.zeros((), x.dtype))
 
 
+def zero_inactive(x: Array, active: Array, example_axis: int) -> Array:
+    """``x`` with the examples on ``example_axis`` whose ``active [B]`` is false set to zero: a select, never a
+    multiply by zero (an example's NaN stays out)."""
+    keep = jax.lax.broadcast_in_dim(active, x.shape, (example_axis,))
+    return jax.lax.select(keep, x, jax.lax.full_like(x, 0))
+
+
 SMALL_DIRECT = 4096   # elements per example up to which a direct clipped sum is a multiply-and-reduce
 
 
@@ -337,6 +344,17 @@ def _coef_weighted_rows(value: Array, coef: Array) -> Array:
     if math.prod(value.shape[1:]) <= SMALL_DIRECT:
         return jnp.sum(value * _per_example(coef, value.ndim), axis=0)
     return jnp.einsum("b...,b->...", value, coef)
+
+
+def weighted_rows_at(value: Array, coef: Array, example_axis: int) -> Array:
+    """``sum_i coef_i value_i`` over the examples on ``example_axis`` of ``value`` (the other axes kept, in order),
+    float32; examples with ``coef == 0`` contribute exactly zero. For per-example gradients left where a scan put
+    the examples (``[*lengths, B, ...]``): no transpose of ``value`` to examples-first."""
+    if example_axis == 0:
+        return _coef_weighted_rows(_zero_where_inactive(_f32(value), coef != 0), coef.astype(jnp.float32))
+    rows = zero_inactive(_f32(value), coef != 0, example_axis)
+    weights = jax.lax.broadcast_in_dim(coef.astype(jnp.float32), value.shape, (example_axis,))
+    return jnp.sum(rows * weights, axis=example_axis)
 
 
 def weighted_blocks(value: Array, coef: Array) -> Array:

@@ -92,6 +92,14 @@ def test_the_pass_keeps_parameter_sized_gradients_for_local_sites():
     # gamma is passed whole to every iteration: its per-iteration gradients, [L, B, D], add up to [B, D]
     (gamma,) = [p for p, s in sites.items() if plan.paths[s.view.leaf] == "gamma"]
     assert sites_lib.from_tap(sites[gamma], probe_ct[gamma], len(sites[gamma].lengths)).shape == (B, D)
+    # a stacked leaf's per-example gradients are normed and summed as the scan left them, [L, B, D] (examples on
+    # axis 1, no transposed copy); gamma's, summed over the iterations, examples first
+    terms = mode._leaf_terms(plan, leaves, records, probe_ct, [], example_axis=mode.example_axes(plan),
+                             tapped=tapped)
+    forms = {plan.paths[leaf]: (form, value.shape, axis) for leaf, (form, value, axis) in terms.items()
+             if form == "direct"}
+    assert forms["ScanBlock_0/LayerNorm_0/scale"] == ("direct", (L, B, D), 1)
+    assert forms["gamma"] == ("direct", (B, D), 0)
 
 
 def sharing_setup() -> Setup:

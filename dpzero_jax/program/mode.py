@@ -245,24 +245,32 @@ def example_axes(plan: ProgramPlan) -> dict:
 
 def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captured=None, method: str = "mixed",
                 example_axis: dict | None = None, tapped: frozenset = frozenset()):
-    """``{leaf: ("outer", [(site, Factored)]) | ("direct", [B, *shape])}`` for the fallback leaves and the leaves
-    whose sites were captured (all, or those in ``captured``). Conv sites are factored only where
-    :func:`~dpzero_jax.program.sites.conv_factored` says so for ``method``; else instantiated like local sites.
+    """``{leaf: ("outer", [(site, Factored)], None) | ("direct", per-example gradients, their example axis)}``
+    (``[B, *shape]`` and 0, or a stacked leaf's one tapped use as the scan left it, ``[*lengths, B, *base]``) for
+    the fallback leaves and the leaves whose sites were captured (all, or those in ``captured``). Conv sites are
+    factored only where :func:`~dpzero_jax.program.sites.conv_factored` says so for ``method``; else instantiated
+    like local sites.
     ``example_axis``: ``{site path: axis}`` where a site's records and probe cotangent hold the examples (default:
     first). ``tapped``: local sites whose probe cotangent is their per-example parameter gradient already."""
     example_axis = example_axis or {}
     fallback = sorted(plan.analysis.fallback)
-    terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32)) for i, g in zip(fallback, fallback_ct)}
+    terms: dict[int, Any] = {i: ("direct", g.astype(jnp.float32), 0) for i, g in zip(fallback, fallback_ct)}
     by_leaf: dict[int, list] = {}
     for _, site in sorted(plan.analysis.sites.items(), key=lambda item: item[0]):
         if captured is None or site.view.leaf in captured:
             by_leaf.setdefault(site.view.leaf, []).append(site)
     for leaf, leaf_sites in by_leaf.items():
+        if len(leaf_sites) == 1 and leaf_sites[0].path in tapped and _sliced_per_iteration(leaf_sites[0]):
+            # a stacked leaf's one tapped use: its per-example gradients as the scan left them, [*lengths, B, ...]
+            # (moved examples-first, XLA:CPU wrote a transposed copy to norm and sum: two kernels a leaf)
+            path = leaf_sites[0].path
+            terms[leaf] = ("direct", probe_ct[path], example_axis.get(path, 0))
+            continue
         direct = {"local"} if sites_lib.conv_factored(leaf_sites, method) else {"local", "conv"}
         factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path], example_axis.get(s.path, 0)))
                     for s in leaf_sites if s.kind not in direct]
         if len(factored) == len(leaf_sites) and _same_blocks(factored):
-            terms[leaf] = ("outer", factored)
+            terms[leaf] = ("outer", factored, None)
             continue
         total = 0.0
         for s, f in factored:
@@ -273,8 +281,15 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
             elif s.kind in direct:
                 total = total + sites_lib.local_grad(s, records[s.path], probe_ct[s.path], leaves[leaf],
                                                      example_axis.get(s.path, 0))
-        terms[leaf] = ("direct", total)
+        terms[leaf] = ("direct", total, 0)
     return terms
+
+
+def _sliced_per_iteration(site) -> bool:
+    """Whether every enclosing scan slices the site's leaf per iteration (levels all ``"xs"``): its per-example
+    gradient ``[*lengths, B, *base]`` is then the leaf's shape with the examples inserted, nothing to sum."""
+    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
+    return all(level == "xs" for level in levels)
 
 
 def _same_blocks(factored) -> bool:
@@ -361,17 +376,17 @@ def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: b
     """``({leaf: sq [B]}, {leaf: coef [B] -> clipped sum (leaf shape, float32)})`` from :func:`_leaf_terms`.
     ``reuse=False``: norms only (summed elsewhere: ghost mode's weighted leaves), in float32, nothing kept."""
     sq, summers = {}, {}
-    for leaf, (form, value) in terms.items():
+    for leaf, (form, value, axis) in terms.items():
         if not reuse:
             if form == "direct":
-                sq[leaf] = pergrad.direct_sq_norm(value)
+                sq[leaf] = pergrad.direct_sq_norm(value, axis)
             else:
                 sq[leaf], _ = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size, reuse=False)
             continue
         if form == "direct":
             value = pergrad.kept(value.astype(cfg.instantiated_dtype))   # kept for the clipped sum, normed as kept
-            sq[leaf] = pergrad.direct_sq_norm(value)
-            summers[leaf] = (lambda v: lambda coef: pergrad.weighted_sum([pergrad.Direct(v)], coef))(value)
+            sq[leaf] = pergrad.direct_sq_norm(value, axis)
+            summers[leaf] = (lambda v, a: lambda coef: pergrad.weighted_rows_at(v, coef, a))(value, axis)
         else:
             sq[leaf], clipped = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size,
                                                     cfg.instantiated_dtype)
