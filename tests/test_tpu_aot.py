@@ -108,3 +108,20 @@ def test_pallas_kernels_compile_for_a_tpu_chip(tmp_path):
     for name, result in kernels.items():
         assert "failed" not in result, (name, result)
         assert result["mosaic_calls"] >= 1, name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu-aot]' in a separate environment)")
+def test_a_table_sum_formed_in_row_chunks_peaks_below_the_whole_one(tmp_path):
+    """experiments/tpu_table_sum.py --quick, in a fresh process: the embedding table's float32 sum scatter-added
+    and reduce-scattered in row chunks peaks below the whole table's (the compiler keeps a whole table and its
+    reduction's output), and every variant reduces with collectives."""
+    out = tmp_path / "table.json"
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=str(_ROOT))
+    subprocess.run([sys.executable, str(_ROOT / "experiments" / "tpu_table_sum.py"), "--quick", "--out", str(out)],
+                   check=True, env=env, timeout=600)
+    data = json.loads(out.read_text())
+    peaks = {(r["variant"], r["pieces"]): r["peak_bytes"] for r in data["results"]}
+    assert peaks[("chunks", 4)] < peaks[("whole", 1)]
+    assert peaks[("whole", 1)] >= data["table_bytes"]
+    assert all(r["collectives"] for r in data["results"])
