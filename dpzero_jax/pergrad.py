@@ -322,7 +322,7 @@ def _per_example(vector: Array, ndim: int) -> Array:
 
 def _zero_where_inactive(x: Array, active: Array) -> Array:
     """Zero the rows of examples with a zero coefficient (never multiply NaN by zero)."""
-    return jnp.where(_per_example(active, x.ndim), x, jnp.zeros((), x.dtype))
+    return zero_inactive(x, active, 0)
 
 
 def zero_inactive(x: Array, active: Array, example_axis: int) -> Array:
@@ -363,7 +363,7 @@ def weighted_blocks(value: Array, coef: Array) -> Array:
     exactly zero. One batched contraction over the examples, ``K`` its batch: no transpose of ``value``."""
     active = coef != 0
     k, batch = value.shape[:2]
-    rows = jnp.where(active[None, :, None], _f32(value).reshape(k, batch, -1), 0.0)
+    rows = zero_inactive(_f32(value).reshape(k, batch, -1), active, 1)
     weights = jnp.broadcast_to(coef.astype(jnp.float32)[None, :], (k, batch))
     return jnp.einsum("kb,kbn->kn", weights, rows).reshape((k,) + value.shape[2:])
 

@@ -260,11 +260,12 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
         if captured is None or site.view.leaf in captured:
             by_leaf.setdefault(site.view.leaf, []).append(site)
     for leaf, leaf_sites in by_leaf.items():
-        if len(leaf_sites) == 1 and leaf_sites[0].path in tapped and _sliced_per_iteration(leaf_sites[0]):
-            # a stacked leaf's one tapped use: its per-example gradients as the scan left them, [*lengths, B, ...]
-            # (moved examples-first, XLA:CPU wrote a transposed copy to norm and sum: two kernels a leaf)
-            path = leaf_sites[0].path
-            terms[leaf] = ("direct", probe_ct[path], example_axis.get(path, 0))
+        one = leaf_sites[0]
+        if len(leaf_sites) == 1 and one.path in tapped and sites_lib.xs_lengths(one) == tuple(one.lengths):
+            # a leaf's one tapped use, sliced per iteration by every enclosing scan: its per-example gradients as
+            # the scan left them, [*lengths, B, *base] (moved examples-first, XLA:CPU wrote a transposed copy to
+            # norm and sum: two kernels a leaf)
+            terms[leaf] = ("direct", probe_ct[one.path], example_axis.get(one.path, 0))
             continue
         direct = {"local"} if sites_lib.conv_factored(leaf_sites, method) else {"local", "conv"}
         factored = [(s, sites_lib.factored(s, records[s.path], probe_ct[s.path], example_axis.get(s.path, 0)))
@@ -283,13 +284,6 @@ def _leaf_terms(plan: ProgramPlan, leaves, records, probe_ct, fallback_ct, captu
                                                      example_axis.get(s.path, 0))
         terms[leaf] = ("direct", total, 0)
     return terms
-
-
-def _sliced_per_iteration(site) -> bool:
-    """Whether every enclosing scan slices the site's leaf per iteration (levels all ``"xs"``): its per-example
-    gradient ``[*lengths, B, *base]`` is then the leaf's shape with the examples inserted, nothing to sum."""
-    levels = site.view.levels[-len(site.lengths):] if site.lengths else ()
-    return all(level == "xs" for level in levels)
 
 
 def _same_blocks(factored) -> bool:
@@ -359,13 +353,13 @@ def _blocked_weighted_sum(factored, coef):
     scale = coef.astype(jnp.float32)
     total = 0.0
     for _, f in factored:
-        right = jnp.where(active[None, :, None, None], f.right.astype(jnp.float32), 0.0) * scale[None, :, None, None]
+        right = pergrad.zero_inactive(f.right.astype(jnp.float32), active, 1) * scale[None, :, None, None]
         k = f.right.shape[0]
         if f.left_is_ids:
             blocks = jnp.broadcast_to(jnp.arange(k)[:, None, None], f.left.shape)
             part = jnp.zeros((k, f.rows, f.right.shape[-1]), jnp.float32).at[blocks, f.left].add(right)
         else:
-            left = jnp.where(active[None, :, None, None], f.left, jnp.zeros((), f.left.dtype))
+            left = pergrad.zero_inactive(f.left, active, 1)
             part = jax.lax.dot_general(left, right, (((1, 2), (1, 2)), ((0,), (0,))),
                                        preferred_element_type=jnp.float32)
         total = total + part
