@@ -81,6 +81,8 @@ from dpzero_jax.program import gathered as program_gathered
 from dpzero_jax.shard_layout import DEFAULT_MIN_SHARD_ELEMENTS, shard_axis
 from dpzero_jax.sketch import finite_zero
 
+DEFAULT_SUM_CHUNK_BYTES = 64 * 2**20
+
 __all__ = ["MeshShape", "ShardLayout", "ShardingRules", "explicit_apply", "explicit_gradient",
            "explicit_mean_gradient", "explicit_private_gradient", "ici_shape", "make_mesh", "parse_mesh",
            "slices_of", "weight_spec"]
@@ -173,10 +175,16 @@ class ShardingRules:
     mesh: Mesh
     zero: int = 3
     min_shard_elements: int = DEFAULT_MIN_SHARD_ELEMENTS
+    # Under the explicit strategy at stage 3, a lookup table's clipped sum (float32) larger than this is formed and
+    # reduce-scattered to its owners in pieces of at most this many bytes (the whole sum and its reduction's
+    # output never exist at once: ``docs/benchmarks/tpu_aot.md``, "Why those two layer-wise steps hold more").
+    sum_chunk_bytes: int = DEFAULT_SUM_CHUNK_BYTES
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {self.zero!r}")
+        if not isinstance(self.sum_chunk_bytes, int) or self.sum_chunk_bytes < 1:
+            raise ValueError(f"sum_chunk_bytes must be a positive number of bytes, got {self.sum_chunk_bytes!r}")
 
     @property
     def fsdp(self) -> int:
@@ -254,6 +262,7 @@ class ShardLayout:
         dims = {path: _fsdp_dim(weight_spec(struct.shape, rules.fsdp, rules.min_shard_elements))
                 for path, struct in self._full.items()}
         self._dims = {path: dim for path, dim in dims.items() if dim is not None}
+        self.sum_chunk_bytes = rules.sum_chunk_bytes
 
     def gathers(self, path: str) -> bool:
         return path in self._dims

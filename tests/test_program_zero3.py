@@ -97,3 +97,37 @@ def test_each_use_gathers_its_shard_and_no_weight_stays_whole(scan):
     assert found[False][0] == len(sharded)
     assert found[True][0] > len(sharded) + 4
     assert found[False][1] - found[True][1] > 0.5 * param_bytes
+
+
+@pytest.mark.parametrize("mode, vocab, tied", [
+    ("bk", 64, True),       # the table [64, 32] split on its rows: pieces of columns; the tied head's too
+    ("fused", 66, True),    # [66, 32] split on its columns: pieces of rows (ids outside a piece add nothing)
+    ("fused", 64, False),   # an untied lookup, clipped at its site otherwise: book-kept to be summed in pieces
+    ("ghost", 66, False),
+])
+def test_a_table_sum_formed_in_pieces_equals_vmap_grad(mode, vocab, tied):
+    """``ShardingRules.sum_chunk_bytes`` below the table's float32 bytes: its clipped sum is formed and
+    reduce-scattered piece by piece (one more ``reduce_scatter`` a piece in the lowered step), with the values
+    of ``vmap(grad)``, a masked example included."""
+    _, params, batch, loss_fn = setup(False, tied=tied, vocab=vocab)
+    table = params["Embed_0"]["embedding"]
+    mask = jnp.ones((BATCH,), bool).at[3].set(False)
+    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode,
+                  groups="layer-wise", front_end="program")
+    lowered = {}
+    for chunk_bytes in (sharding.DEFAULT_SUM_CHUNK_BYTES, table.size * 4 // 4):   # whole / in 4 pieces
+        rules = make_rules(sum_chunk_bytes=chunk_bytes)
+        step = _explicit_clipped_sum(loss_fn, dp, rules, params)
+        lowered[chunk_bytes] = step.lower(params, batch, mask).as_text().count("reduce_scatter")
+        if chunk_bytes != sharding.DEFAULT_SUM_CHUNK_BYTES:
+            dim = sharding.ShardLayout(rules, params).dim("Embed_0/embedding")
+            assert dim == (0 if vocab == 64 else 1)
+            assert_sums_close(step(params, batch, mask),
+                              _reference_clipped_sum(loss_fn, params, batch, mask, 0.05, "layer-wise"))
+    whole, pieces = lowered.values()
+    assert pieces == whole + 3
+
+
+def test_sum_chunk_bytes_must_be_positive():
+    with pytest.raises(ValueError, match="sum_chunk_bytes"):
+        make_rules(sum_chunk_bytes=0)

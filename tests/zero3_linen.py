@@ -1,6 +1,7 @@
 """A flax.linen decoder for the ZeRO-3 (``strategy="explicit"``) tests of the traced-program front-end: a tied
-``nn.Embed`` head, a bare position table, ``nn.DenseGeneral`` attention, an ``nn.Dense`` MLP, ``nn.LayerNorm`` and a
-per-block gate; blocks unrolled or ``nn.scan``-ned, optionally under ``nn.remat``; sharded on 8 virtual devices."""
+``nn.Embed`` head (or an untied ``nn.Dense`` one), a bare position table, ``nn.DenseGeneral`` attention, an
+``nn.Dense`` MLP, ``nn.LayerNorm`` and a per-block gate; blocks unrolled or ``nn.scan``-ned, optionally under
+``nn.remat``; sharded on 8 virtual devices."""
 
 import flax.linen as nn
 import jax
@@ -32,10 +33,12 @@ class Decoder(nn.Module):
     scan: bool
     remat: bool = False
     width: int = WIDTH
+    tied: bool = True
+    vocab: int = VOCAB
 
     @nn.compact
     def __call__(self, ids):
-        embed = nn.Embed(VOCAB, self.width)
+        embed = nn.Embed(self.vocab, self.width)
         h = embed(ids) + self.param("position", nn.initializers.normal(0.02), (SEQ, self.width))
         block = nn.remat(Block) if self.remat else Block
         if self.scan:
@@ -44,12 +47,13 @@ class Decoder(nn.Module):
         else:
             for _ in range(self.layers):
                 h, _ = block(self.width)(h)
-        return embed.attend(nn.LayerNorm()(h))
+        h = nn.LayerNorm()(h)
+        return embed.attend(h) if self.tied else nn.Dense(self.vocab, use_bias=False, name="head")(h)
 
 
-def setup(scan: bool, remat: bool = False, width: int = WIDTH):
-    model = Decoder(4 if scan else 2, scan, remat, width)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)
+def setup(scan: bool, remat: bool = False, width: int = WIDTH, tied: bool = True, vocab: int = VOCAB):
+    model = Decoder(4 if scan else 2, scan, remat, width, tied, vocab)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (BATCH, SEQ)), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
 
     def loss_fn(params, batch):
@@ -59,8 +63,9 @@ def setup(scan: bool, remat: bool = False, width: int = WIDTH):
     return model, params, {"ids": ids}, loss_fn
 
 
-def rules(min_shard_elements=16):
-    return sharding.ShardingRules(sharding.make_mesh(sharding.MeshShape(2, 4)), 3, min_shard_elements)
+def rules(min_shard_elements=16, sum_chunk_bytes=sharding.DEFAULT_SUM_CHUNK_BYTES):
+    return sharding.ShardingRules(sharding.make_mesh(sharding.MeshShape(2, 4)), 3, min_shard_elements,
+                                  sum_chunk_bytes)
 
 
 def assert_sums_close(actual, expected, rtol=1e-4):

@@ -44,7 +44,9 @@ clipped sums formed after the pullback exactly as :func:`dpzero_jax.program.mode
 (``all-layer``, a layer-wise block of several matrices) or with sites in different sub-programs, sites mixed with
 fallback parameters, and a group of a stacked leaf inside a ``scan`` -- on the program front-end a stacked leaf
 ``[L, ...]`` is ONE parameter path, so its group holds all ``L`` iterations' gradients, and no iteration's
-coefficient is known before the backward has run through all of them. A book-kept group keeps its sites' operands
+coefficient is known before the backward has run through all of them -- and, under a ZeRO-3 layout, a group
+that looks up rows of a large table the layout splits (:func:`_sharded_table`: its sum is then formed and
+reduce-scattered in pieces, never the whole float32 table). A book-kept group keeps its sites' operands
 and output gradients until the pullback ends, as ``bk`` would; ``explain_plan`` names each such group and why. With
 every group book-kept (``all-layer``) the pass is book-keeping's.
 
@@ -69,16 +71,17 @@ from dpzero_jax import clipping, pergrad, spmd
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program import zero3
-from dpzero_jax.program.ghost import squared_norm
+from dpzero_jax.program.ghost import sharded_table, squared_norm
 from dpzero_jax.program.interpret import bind_squeezing, run
 
 
-def local_groups(plan) -> tuple[dict, dict, dict]:
+def local_groups(plan, layout=None) -> tuple[dict, dict, dict]:
     """``({head site path: (group, member site paths)}, {group: [fallback leaves]}, {group: reason})``: the groups
     clipped in the backward of their head site, those made of fallback leaves only (clipped after the pullback from
     their per-example copies), and the groups that are not local to one site (see the module doc), with the reason
-    -- those are book-kept in the same pass. A group's *head* is its first site in program order (the last one the
-    backward reaches), its *members* the others."""
+    -- those are book-kept in the same pass, as is, under a ZeRO-3 ``layout``, a group that looks up rows of a large
+    table the layout splits (:func:`_sharded_table`). A group's *head* is its first site in program order (the last
+    one the backward reaches), its *members* the others."""
     analysis = plan.analysis
     heads: dict = {}
     fallback_groups: dict = {}
@@ -94,6 +97,8 @@ def local_groups(plan) -> tuple[dict, dict, dict]:
                 f"clips inside that iteration's backward, but {reason}: no one site can clip it. Use "
                 f"groups='param-wise' (or layer-wise groups of one matrix and its bias / a norm's scale and bias), "
                 f"or scan_groups='whole' with mode='bk' or 'ghost'")
+        if not reason and layout is not None and group not in plan.iterations:
+            reason = _sharded_table(plan, name, group_sites, layout)
         if reason:
             booked[group] = reason
         elif group_sites:
@@ -127,6 +132,20 @@ def _not_local(plan, name: str, group_sites, fallback, split: bool) -> str:
         return (f"group {name!r} has {len(factored)} dot / conv / gather sites ({uses}"
                 f"{' ...' if len(factored) > 4 else ''})" if len(factored) > 1 else
                 f"group {name!r} has a dot / conv / gather site after another site")
+    return ""
+
+
+def _sharded_table(plan, name: str, group_sites, layout) -> str:
+    """Why group ``name`` is book-kept under ZeRO-3 ``layout`` although one site could clip it (``""`` if not): it
+    looks up rows of a large table the layout splits (:func:`~dpzero_jax.program.ghost.sharded_table`). Clipped in
+    the lookup's backward, its sum would be autodiff's transpose of the lookup, the whole float32 table; book-kept,
+    it is formed and reduce-scattered in pieces (:func:`~dpzero_jax.program.mode.norms_and_summers`)."""
+    for site in group_sites:
+        if sharded_table(plan, site, layout):
+            path = plan.paths[site.view.leaf]
+            return (f"group {name!r} looks up rows of {path!r} {list(layout.full(path).shape)}, split by the ZeRO-3 "
+                    f"layout: its clipped sum is formed and reduce-scattered in pieces of at most "
+                    f"{layout.sum_chunk_bytes} bytes, never whole")
     return ""
 
 
@@ -260,7 +279,7 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
     """``(losses [B], clipped sum like params (float32), norms [B, M], coef [B, M])``: one forward (``vmap`` over
     the examples inside one ``jax.vjp``), one pullback. With a ZeRO-3 ``layout``: on the shards, gathered at each
     use (:mod:`dpzero_jax.program.zero3`); every sum comes back in its owner's layout."""
-    heads, fallback_groups, booked = local_groups(plan)
+    heads, fallback_groups, booked = local_groups(plan, layout)
     booked_leaves = {i for i, path in enumerate(plan.paths) if plan.group_of[path] in booked}
     leaves, treedef = jax.tree.flatten(params)
     batch_leaves = jax.tree.leaves(batch)
@@ -335,7 +354,8 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
         terms = bk._leaf_terms(plan, whole, records, probe_ct, fallback_ct, captured=booked_leaves,
                                method=cfg.norm_method, example_axis=depth)
         booked_sq, summers = bk.norms_and_summers(cfg, plan, whole,
-                                                  {i: t for i, t in terms.items() if i in booked_leaves}, size)
+                                                  {i: t for i, t in terms.items() if i in booked_leaves}, size,
+                                                  layout=layout)
         for i, value in booked_sq.items():
             group = plan.group_of[plan.paths[i]]
             sq[group] = sq[group] + value.astype(jnp.float32)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -366,9 +367,52 @@ def _blocked_weighted_sum(factored, coef):
     return total
 
 
-def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: bool = True):
+class ChunkedSummer:
+    """A table's clipped sum in pieces along ``axis`` (``bounds``: ``(lo, hi)`` each): ``part(coef, lo, hi)``."""
+
+    def __init__(self, part, bounds, axis: int):
+        self.part, self.bounds, self.axis = part, tuple(bounds), axis
+
+
+def _lookup_pieces(factored, leaf, dim: int | None, chunk_bytes: int):
+    """``(axis, bounds)`` to form a 2-D table's clipped sum in pieces of at most ``chunk_bytes`` (float32) along the
+    axis the ZeRO-3 layout does not split (``dim``), or None: no layout split, not a lookup table (no ``gather``
+    use), stacked or blocked uses, factors not in the leaf's own axis order, or small enough to form whole."""
+    shape = tuple(leaf.shape)
+    if dim is None or len(shape) != 2 or not any(f.left_is_ids for _, f in factored):
+        return None
+    if any(f.left.shape[0] != 1 or sites_lib.xs_lengths(s) or f.layout != ((0,), (1,)) or f.rows != shape[0]
+           or f.right.shape[-1] != shape[1] for s, f in factored):
+        return None
+    pieces = min(shape[1 - dim], -(-4 * math.prod(shape) // chunk_bytes))
+    if pieces < 2:
+        return None
+    extent = shape[1 - dim]
+    return 1 - dim, [(k * extent // pieces, (k + 1) * extent // pieces) for k in range(pieces)]
+
+
+def _lookup_piece(factored, coef, axis: int, lo: int, hi: int, kernel: str):
+    """Rows (``axis`` 0) or columns (1) ``lo:hi`` of a table's clipped sum, float32: an id outside the rows adds
+    nothing (its output gradient selected away), a dense use's factor is sliced."""
+    uses = []
+    for _, f in factored:
+        left, right, rows = f.left[0], f.right[0], f.rows
+        if axis == 1:
+            right = right[..., lo:hi]
+        elif f.left_is_ids:
+            inside = (left >= lo) & (left < hi)
+            left, right, rows = jnp.where(inside, left - lo, 0), jnp.where(inside[..., None], right, 0), hi - lo
+        else:
+            left, rows = left[..., lo:hi], hi - lo
+        uses.append(pergrad.Outer(left, right, rows, (rows, right.shape[-1]), f.left_is_ids))
+    return pergrad.weighted_sum(uses, coef, kernel)
+
+
+def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: bool = True, layout=None):
     """``({leaf: sq [B]}, {leaf: coef [B] -> clipped sum (leaf shape, float32)})`` from :func:`_leaf_terms`.
-    ``reuse=False``: norms only (summed elsewhere: ghost mode's weighted leaves), in float32, nothing kept."""
+    ``reuse=False``: norms only (summed elsewhere: ghost mode's weighted leaves), in float32, nothing kept. Under a
+    ZeRO-3 ``layout`` a lookup table's summer larger than ``layout.sum_chunk_bytes`` is a :class:`ChunkedSummer`
+    (its pieces go to their owners one at a time: :func:`~dpzero_jax.program.zero3.owned`)."""
     sq, summers = {}, {}
     for leaf, (form, value, axis) in terms.items():
         if not reuse:
@@ -385,6 +429,12 @@ def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: b
             sq[leaf], clipped = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size,
                                                     cfg.instantiated_dtype)
             site, first = value[0]
+            chunks = None if layout is None else _lookup_pieces(value, leaves[leaf], layout.dim(plan.paths[leaf]),
+                                                                layout.sum_chunk_bytes)
+            if chunks is not None:
+                summers[leaf] = ChunkedSummer(functools.partial(_lookup_piece, value, kernel=cfg.norm_kernel),
+                                              chunks[1], chunks[0])
+                continue
             summers[leaf] = (lambda c, s, f, lf: lambda coef: sites_lib.to_leaf(s, c(coef), lf, f))(
                 clipped, site, first, leaves[leaf])
     return sq, summers
@@ -413,14 +463,21 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask, layout=None):
     whole = whole_leaves(plan, leaves, layout, probe_ct)
     terms = _leaf_terms(plan, whole, records, probe_ct, fallback_ct, method=cfg.norm_method,
                         example_axis=example_axes(plan), tapped=tapped)
-    sq, summers = norms_and_summers(cfg, plan, whole, terms, size)
+    sq, summers = norms_and_summers(cfg, plan, whole, terms, size, layout=layout)
     norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
     sums = {i: clipped_sum(summers[i], coef[:, plan.group_of[plan.paths[i]]], whole[i]) for i in summers}
     return losses, jax.tree.unflatten(treedef, zero3.owned(plan.paths, leaves, sums, layout)), norms, coef
 
 
 def clipped_sum(summer, coef, leaf):
-    """``after -> sum_i coef_i g_i`` (the leaf's shape, float32), formed once ``after`` exists (None: at once)."""
+    """``after -> sum_i coef_i g_i`` (the leaf's shape, float32), formed once ``after`` exists (None: at once); for a
+    :class:`ChunkedSummer`, its pieces so (:class:`~dpzero_jax.program.zero3.InChunks`)."""
+    if isinstance(summer, ChunkedSummer):
+        def piece(after, lo, hi):
+            scale = coef if after is None else coef + finite_zero(after)
+            return summer.part(scale, summer.axis, lo, hi)
+        return zero3.InChunks([functools.partial(piece, lo=lo, hi=hi) for lo, hi in summer.bounds], summer.axis)
+
     def form(after):
         scale = coef if after is None else coef + finite_zero(after)
         return summer(scale).reshape(leaf.shape).astype(jnp.float32)

@@ -293,21 +293,35 @@ def whole(paths, leaves, layout, needs_value=frozenset(), after=None) -> list:
     return out
 
 
+class InChunks:
+    """A whole sum formed and sent to its owners piece by piece: ``parts[k](after)`` gives piece ``k`` (float32),
+    whole along the leaf's split dimension and cut along ``axis``, formed only once ``after`` exists."""
+
+    def __init__(self, parts, axis: int):
+        self.parts, self.axis = tuple(parts), axis
+
+
 def owned(paths, leaves, sums: dict, layout, scattered=frozenset()) -> list:
     """The clipped sums in the leaves' layout: ``sums[i](after)`` gives leaf ``i``'s whole sum (float32), formed only
     once ``after`` exists; zeros where a leaf has none. With a ``layout`` each whole sum goes to its owner
     (``psum_scatter`` over ``fsdp``) before the next is formed -- one whole-size sum alive at a time -- except the
-    leaves in ``scattered`` (already in the owner's layout: the gradient of a differentiated shard)."""
+    leaves in ``scattered`` (already in the owner's layout: the gradient of a differentiated shard). A sum given
+    :class:`InChunks` goes piece by piece, each piece formed once the previous one is scattered: one piece alive at a
+    time, never the whole sum."""
     out, previous = [], None
     for i, (path, x) in enumerate(zip(paths, leaves)):
         if i not in sums:
             out.append(jnp.zeros(tuple(x.shape), jnp.float32))
             continue
-        value = sums[i](previous if layout is not None else None)
-        if layout is not None and i not in scattered:
-            value = layout.scatter(path, value)
-        previous = value
-        out.append(value)
+        pieces = sums[i].parts if isinstance(sums[i], InChunks) else (sums[i],)
+        done = []
+        for form in pieces:
+            value = form(previous if layout is not None else None)
+            if layout is not None and i not in scattered:
+                value = layout.scatter(path, value)
+            previous = value
+            done.append(value)
+        out.append(jnp.concatenate(done, axis=sums[i].axis) if isinstance(sums[i], InChunks) else done[0])
     return out
 
 
