@@ -91,11 +91,20 @@ def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
     return rows
 
 
-def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
+def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanReport:
     """Plan ``loss_fn(params, batch) -> [B]`` as the private gradient would (abstractly: nothing is computed) and
-    report, per trainable parameter, how its per-example gradient and norm are obtained."""
+    report, per trainable parameter, how its per-example gradient and norm are obtained. ``rules``: the
+    :class:`~dpzero_jax.sharding.ShardingRules` of a ZeRO-3 run with ``strategy="explicit"`` (the program front-end
+    then book-keeps a large table its layout splits, to sum it in pieces: the plan says so); None: unsharded."""
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
+    layout = None
+    if rules is not None:
+        from dpzero_jax import sharding
+
+        if not isinstance(rules, sharding.ShardingRules):
+            raise TypeError(f"rules must be a dpzero_jax.sharding.ShardingRules, got {type(rules).__name__}")
+        layout = sharding.ShardLayout(rules, params) if rules.zero == 3 else None
     requested, cfg = cfg, engine.resolve_target(cfg)
     plan = engine.make_plan(loss_fn, cfg, params, batch, require_supported=False)
     if cfg.mode == "vmap":
@@ -115,13 +124,14 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
         if mode == "ghost":   # the ghost sites' leaves and the weighted leaves: summed by the weight path
             from dpzero_jax.program import ghost as program_ghost
 
-            ghost_paths = program_ghost.eligible(program_plan)
-            summed_elsewhere = program_ghost.weighted(program_plan, ghost_paths, cfg, program_plan.batch_size) | {
+            ghost_paths = program_ghost.eligible(program_plan, layout)
+            summed_elsewhere = program_ghost.weighted(program_plan, ghost_paths, cfg, program_plan.batch_size,
+                                                      layout) | {
                 program_plan.analysis.sites[path].view.leaf for path in ghost_paths}
         if mode == "fused":   # a group clipped in its own backward is summed by the weight path: nothing reused
             from dpzero_jax.program import fused as program_fused
 
-            booked = program_fused.local_groups(program_plan)[2]
+            booked = program_fused.local_groups(program_plan, layout)[2]
             summed_elsewhere = frozenset(i for i, path in enumerate(program_plan.paths)
                                          if program_plan.group_of[path] not in booked)
         rows = explanation.explain(program_plan, params, cfg, summed_elsewhere)
@@ -130,6 +140,17 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch) -> PlanReport:
                 reason = booked.get(program_plan.group_of[row["path"]])
                 if reason:
                     row["why"] = "; ".join(filter(None, (row["why"], f"book-kept in the fused pass: {reason}")))
+        if layout is not None and mode in ("bk", "ghost", "fused"):   # tables summed in pieces: say so
+            from dpzero_jax.program import ghost as program_ghost
+
+            pieces = {program_plan.paths[s.view.leaf] for s in program_plan.analysis.sites.values()
+                      if program_ghost.sharded_table(program_plan, s, layout)
+                      and s.view.leaf not in summed_elsewhere}
+            for row in rows:
+                if row["path"] in pieces and "in pieces" not in row["why"]:
+                    note = (f"its clipped sum formed and reduce-scattered in pieces of at most "
+                            f"{layout.sum_chunk_bytes} bytes (ZeRO-3)")
+                    row["why"] = "; ".join(filter(None, (row["why"], note)))
         return PlanReport("program", mode, tuple(rows), plan.misplaced)
     cfg = engine.resolve_for_mode(requested, engine.choose_mode(cfg, plan).mode)
     return PlanReport("layers", cfg.mode, tuple(_layer_rows(plan, params, cfg)))

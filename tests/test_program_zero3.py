@@ -131,3 +131,21 @@ def test_a_table_sum_formed_in_pieces_equals_vmap_grad(mode, vocab, tied):
 def test_sum_chunk_bytes_must_be_positive():
     with pytest.raises(ValueError, match="sum_chunk_bytes"):
         make_rules(sum_chunk_bytes=0)
+
+
+@pytest.mark.parametrize("mode, tied", [("fused", False), ("bk", True), ("ghost", False)])
+def test_the_plan_names_a_table_summed_in_pieces(mode, tied):
+    """``explain_plan(..., rules=...)`` says which table a ZeRO-3 layout sums in pieces (and why fused book-keeps
+    an untied lookup); without rules, or with pieces larger than the table, it says nothing of the kind."""
+    import dpzero_jax as dz
+
+    _, params, batch, loss_fn = setup(False, tied=tied)
+    table = params["Embed_0"]["embedding"]
+    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode,
+                  groups="layer-wise", front_end="program")
+    for rules, named in ((make_rules(sum_chunk_bytes=table.size), True), (make_rules(), False), (None, False)):
+        rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dp, params, batch, rules=rules).rows}
+        why = rows["Embed_0/embedding"]["why"]
+        assert ("pieces" in why) == named, why
+        assert ("split by the ZeRO-3 layout" in why) == (named and mode == "fused"), why
+        assert not any("pieces" in r["why"] for p, r in rows.items() if p != "Embed_0/embedding")
