@@ -99,13 +99,14 @@ def test_each_use_gathers_its_shard_and_no_weight_stays_whole(scan):
     assert found[False][1] - found[True][1] > 0.5 * param_bytes
 
 
-@pytest.mark.parametrize("mode, vocab, tied", [
-    ("bk", 64, True),       # the table [64, 32] split on its rows: pieces of columns; the tied head's too
-    ("fused", 66, True),    # [66, 32] split on its columns: pieces of rows (ids outside a piece add nothing)
-    ("fused", 64, False),   # an untied lookup, clipped at its site otherwise: book-kept to be summed in pieces
-    ("ghost", 66, False),
+@pytest.mark.parametrize("mode, vocab, tied, microbatch", [
+    ("bk", 64, True, None),       # the table [64, 32] split on its rows: pieces of columns; the tied head's too
+    ("bk", 66, True, 1),          # pieces of rows, summed one example at a time
+    ("fused", 66, True, None),    # [66, 32] split on its columns: pieces of rows (ids outside a piece add nothing)
+    ("fused", 64, False, None),   # an untied lookup, clipped at its site otherwise: book-kept to be summed in pieces
+    ("ghost", 66, False, None),
 ])
-def test_a_table_sum_formed_in_pieces_equals_vmap_grad(mode, vocab, tied):
+def test_a_table_sum_formed_in_pieces_equals_vmap_grad(mode, vocab, tied, microbatch):
     """``ShardingRules.sum_chunk_bytes`` below the table's float32 bytes: its clipped sum is formed and
     reduce-scattered piece by piece (one more ``reduce_scatter`` a piece in the lowered step), with the values
     of ``vmap(grad)``, a masked example included."""
@@ -113,7 +114,7 @@ def test_a_table_sum_formed_in_pieces_equals_vmap_grad(mode, vocab, tied):
     table = params["Embed_0"]["embedding"]
     mask = jnp.ones((BATCH,), bool).at[3].set(False)
     dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode,
-                  groups="layer-wise", front_end="program")
+                  groups="layer-wise", front_end="program", microbatch_size=microbatch)
     lowered = {}
     for chunk_bytes in (sharding.DEFAULT_SUM_CHUNK_BYTES, table.size * 4 // 4):   # whole / in 4 pieces
         rules = make_rules(sum_chunk_bytes=chunk_bytes)
