@@ -177,7 +177,7 @@ class ShardingRules:
     min_shard_elements: int = DEFAULT_MIN_SHARD_ELEMENTS
     # Under the explicit strategy at stage 3, a lookup table's clipped sum (float32) larger than this is formed and
     # reduce-scattered to its owners in pieces of at most this many bytes (the whole sum and its reduction's
-    # output never exist at once: ``docs/benchmarks/tpu_aot.md``, "Why those two layer-wise steps hold more").
+    # output never exist at once: ``docs/benchmarks/tpu_aot.md``, "Why those two layer-wise steps held more").
     sum_chunk_bytes: int = DEFAULT_SUM_CHUNK_BYTES
 
     def __post_init__(self):

@@ -58,7 +58,7 @@ from dpzero_jax.program.interpret import add_probe, run
 def eligible(plan, layout=None) -> frozenset:
     """Site paths handled by the ghost custom VJPs. Under a ZeRO-3 ``layout``, not a lookup of a large table the
     layout splits: captured as in book-keeping, its clipped sum is formed and reduce-scattered in pieces
-    (:func:`dpzero_jax.program.fused._sharded_table`; the weight path's would be the whole float32 table)."""
+    (:func:`sharded_table`; the weight path's would be the whole float32 table)."""
     count: dict[int, int] = {}
     for site in plan.analysis.sites.values():
         count[site.view.leaf] = count.get(site.view.leaf, 0) + 1
