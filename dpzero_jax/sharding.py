@@ -183,7 +183,8 @@ class ShardingRules:
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero stage must be one of {ZERO_STAGES}, got {self.zero!r}")
-        if not isinstance(self.sum_chunk_bytes, int) or self.sum_chunk_bytes < 1:
+        if (isinstance(self.sum_chunk_bytes, bool) or not isinstance(self.sum_chunk_bytes, (int, np.integer))
+                or self.sum_chunk_bytes < 1):
             raise ValueError(f"sum_chunk_bytes must be a positive number of bytes, got {self.sum_chunk_bytes!r}")
 
     @property

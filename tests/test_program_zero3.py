@@ -129,9 +129,10 @@ def test_a_table_sum_formed_in_pieces_equals_vmap_grad(mode, vocab, tied, microb
     assert pieces == whole + 3
 
 
-def test_sum_chunk_bytes_must_be_positive():
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "64MiB"])
+def test_sum_chunk_bytes_must_be_a_positive_number_of_bytes(value):
     with pytest.raises(ValueError, match="sum_chunk_bytes"):
-        make_rules(sum_chunk_bytes=0)
+        make_rules(sum_chunk_bytes=value)
 
 
 @pytest.mark.parametrize("mode, tied", [("fused", False), ("bk", True), ("ghost", False)])
