@@ -124,9 +124,11 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanRe
         if mode == "ghost":   # the ghost sites' leaves and the weighted leaves: summed by the weight path
             from dpzero_jax.program import ghost as program_ghost
 
-            ghost_paths = program_ghost.eligible(program_plan, layout)
-            summed_elsewhere = program_ghost.weighted(program_plan, ghost_paths, cfg, program_plan.batch_size,
-                                                      layout) | {
+            ghost_paths = program_ghost.eligible(program_plan)
+            # the examples each device holds decide whether a table is weighted (the explicit strategy's rules)
+            per_device = program_plan.batch_size if rules is None else max(
+                1, program_plan.batch_size // rules.mesh.devices.size)
+            summed_elsewhere = program_ghost.weighted(program_plan, ghost_paths, cfg, per_device) | {
                 program_plan.analysis.sites[path].view.leaf for path in ghost_paths}
         if mode == "fused":   # a group clipped in its own backward is summed by the weight path: nothing reused
             from dpzero_jax.program import fused as program_fused
@@ -141,10 +143,10 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanRe
                 if reason:
                     row["why"] = "; ".join(filter(None, (row["why"], f"book-kept in the fused pass: {reason}")))
         if layout is not None and mode in ("bk", "ghost", "fused"):   # tables summed in pieces: say so
-            from dpzero_jax.program import ghost as program_ghost
+            from dpzero_jax.program import zero3
 
             pieces = {program_plan.paths[s.view.leaf] for s in program_plan.analysis.sites.values()
-                      if program_ghost.sharded_table(program_plan, s, layout)
+                      if zero3.sharded_table(program_plan, s, layout)
                       and s.view.leaf not in summed_elsewhere}
             for row in rows:
                 if row["path"] in pieces and "in pieces" not in row["why"]:

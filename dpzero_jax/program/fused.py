@@ -71,7 +71,7 @@ from dpzero_jax import clipping, pergrad, spmd
 from dpzero_jax.program import mode as bk
 from dpzero_jax.program import sites as sites_lib
 from dpzero_jax.program import zero3
-from dpzero_jax.program.ghost import sharded_table, squared_norm
+from dpzero_jax.program.ghost import squared_norm
 from dpzero_jax.program.interpret import bind_squeezing, run
 
 
@@ -137,11 +137,11 @@ def _not_local(plan, name: str, group_sites, fallback, split: bool) -> str:
 
 def _sharded_table(plan, name: str, group_sites, layout) -> str:
     """Why group ``name`` is book-kept under ZeRO-3 ``layout`` although one site could clip it (``""`` if not): it
-    looks up rows of a large table the layout splits (:func:`~dpzero_jax.program.ghost.sharded_table`). Clipped in
+    looks up rows of a large table the layout splits (:func:`~dpzero_jax.program.zero3.sharded_table`). Clipped in
     the lookup's backward, its sum would be autodiff's transpose of the lookup, the whole float32 table; book-kept,
     it is formed and reduce-scattered in pieces (:func:`~dpzero_jax.program.mode.norms_and_summers`)."""
     for site in group_sites:
-        if sharded_table(plan, site, layout):
+        if zero3.sharded_table(plan, site, layout):
             path = plan.paths[site.view.leaf]
             return (f"group {name!r} looks up rows of {path!r} {list(layout.full(path).shape)}, split by the ZeRO-3 "
                     f"layout: its clipped sum is formed and reduce-scattered in pieces of at most "

@@ -55,45 +55,28 @@ from dpzero_jax.program.analyze import view_size
 from dpzero_jax.program.interpret import add_probe, run
 
 
-def eligible(plan, layout=None) -> frozenset:
-    """Site paths handled by the ghost custom VJPs. Under a ZeRO-3 ``layout``, not a lookup of a large table the
-    layout splits: captured as in book-keeping, its clipped sum is formed and reduce-scattered in pieces
-    (:func:`sharded_table`; the weight path's would be the whole float32 table)."""
+def eligible(plan) -> frozenset:
+    """Site paths handled by the ghost custom VJPs."""
     count: dict[int, int] = {}
     for site in plan.analysis.sites.values():
         count[site.view.leaf] = count.get(site.view.leaf, 0) + 1
     # A site without data (a lookup at constant indices) has an output that vmap does not batch: the cotangent
     # reaching its custom backward would be the batch's sum. Captured as in book-keeping (a per-example probe).
     return frozenset(path for path, site in plan.analysis.sites.items()
-                     if count[site.view.leaf] == 1 and "const" not in site.view.levels and not site.constant
-                     and not (layout is not None and sharded_table(plan, site, layout)))
+                     if count[site.view.leaf] == 1 and "const" not in site.view.levels and not site.constant)
 
 
-def sharded_table(plan, site, layout) -> bool:
-    """Whether ``site`` looks up rows of a 2-D table that ZeRO-3 ``layout`` splits and whose float32 clipped sum
-    exceeds ``layout.sum_chunk_bytes`` (formed whole, its reduction to the owners is written beside it by the TPU
-    compiler: two tables alive, ``docs/benchmarks/tpu_aot.md``)."""
-    path = plan.paths[site.view.leaf]
-    shape = tuple(layout.full(path).shape)
-    return (site.kind == "gather" and not site.lengths and len(shape) == 2 and layout.dim(path) is not None
-            and 4 * math.prod(shape) > layout.sum_chunk_bytes)
-
-
-def weighted(plan, ghost_paths: frozenset, cfg, size: int, layout=None) -> frozenset:
+def weighted(plan, ghost_paths: frozenset, cfg, size: int) -> frozenset:
     """Leaves (indices) that are not ghost-eligible and whose clipped sum the weight path forms: every site a
     ``dot`` or ``gather`` that takes the example's data, none inside a ``remat`` region (there the weight path's
     operand copy would be kept besides the records), and the weight path the smaller in memory (:func:`_saves_memory`)
-    for ``size`` examples per device. Under a ZeRO-3 ``layout`` a large sharded table with one use, a lookup
-    (:func:`sharded_table`), is book-kept: its sum formed in pieces, not by the weight path (a tied one is weighted
-    where that saves memory: book-kept, the rule may keep its per-example gradients)."""
+    for ``size`` examples per device."""
     by_leaf: dict[int, list] = {}
     for path, site in plan.analysis.sites.items():
         by_leaf.setdefault(site.view.leaf, []).append((path, site))
     return frozenset(leaf for leaf, uses in by_leaf.items()
                      if all(path not in ghost_paths and site.kind in ("dot", "gather") and not site.constant
-                            and not plan.analysis.in_remat(path)
-                            and not (layout is not None and len(uses) == 1 and sharded_table(plan, site, layout))
-                            for path, site in uses)
+                            and not plan.analysis.in_remat(path) for path, site in uses)
                      and _saves_memory([site for _, site in uses], cfg, size))
 
 
@@ -285,8 +268,8 @@ def program_ghost(cfg, plan, params, batch, mask, layout=None):
     batch_leaves = jax.tree.leaves(batch)
     size = batch_leaves[0].shape[0]
     analysis = plan.analysis
-    ghost_paths = eligible(plan, layout)
-    weighted_leaves = weighted(plan, ghost_paths, cfg, spmd.examples_per_device(size), layout)
+    ghost_paths = eligible(plan)
+    weighted_leaves = weighted(plan, ghost_paths, cfg, spmd.examples_per_device(size))
     weighted_paths = frozenset(p for p, s in analysis.sites.items() if s.view.leaf in weighted_leaves)
     ported = ghost_paths | weighted_paths
     trained_leaves = sorted({analysis.sites[p].view.leaf for p in ported})

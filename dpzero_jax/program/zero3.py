@@ -28,6 +28,7 @@ reduce-scattered in its stored precision.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -291,6 +292,16 @@ def whole(paths, leaves, layout, needs_value=frozenset(), after=None) -> list:
         else:
             out.append(layout.full(path))
     return out
+
+
+def sharded_table(plan, site, layout) -> bool:
+    """Whether ``site`` looks up rows of a 2-D table that ``layout`` splits and whose float32 clipped sum exceeds
+    ``layout.sum_chunk_bytes`` (formed whole, its reduction to the owners is written beside it by the TPU compiler:
+    two tables alive, ``docs/benchmarks/tpu_aot.md``)."""
+    path = plan.paths[site.view.leaf]
+    shape = tuple(layout.full(path).shape)
+    return (site.kind == "gather" and not site.lengths and len(shape) == 2 and layout.dim(path) is not None
+            and 4 * math.prod(shape) > layout.sum_chunk_bytes)
 
 
 class InChunks:
