@@ -94,8 +94,9 @@ def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
 def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanReport:
     """Plan ``loss_fn(params, batch) -> [B]`` as the private gradient would (abstractly: nothing is computed) and
     report, per trainable parameter, how its per-example gradient and norm are obtained. ``rules``: the
-    :class:`~dpzero_jax.sharding.ShardingRules` of a ZeRO-3 run with ``strategy="explicit"`` (the program front-end
-    then book-keeps a large table its layout splits, to sum it in pieces: the plan says so); None: unsharded."""
+    :class:`~dpzero_jax.sharding.ShardingRules` of a ZeRO-3 run with ``strategy="explicit"``: the program front-end
+    then sums a large table its layout splits in pieces where it forms that sum itself (bk; fused book-keeps the
+    table's lookup to that end; ghost sums its lookups by the weight path), and the plan says which; None: unsharded."""
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
     layout = None
