@@ -143,7 +143,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanRe
                 reason = booked.get(program_plan.group_of[row["path"]])
                 if reason:
                     row["why"] = "; ".join(filter(None, (row["why"], f"book-kept in the fused pass: {reason}")))
-        if layout is not None and mode in ("bk", "ghost", "fused"):   # tables summed in pieces: say so
+        if layout is not None:   # tables summed in pieces: say so
             from dpzero_jax.program import zero3
 
             pieces = {program_plan.paths[s.view.leaf] for s in program_plan.analysis.sites.values()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -375,20 +374,15 @@ class ChunkedSummer:
 
 
 def _lookup_pieces(factored, leaf, dim: int | None, chunk_bytes: int):
-    """``(axis, bounds)`` to form a 2-D table's clipped sum in pieces of at most ``chunk_bytes`` (float32) along the
-    axis the ZeRO-3 layout does not split (``dim``), or None: no layout split, not a lookup table (no ``gather``
-    use), stacked or blocked uses, factors not in the leaf's own axis order, or small enough to form whole."""
+    """:func:`~dpzero_jax.program.zero3.piece_bounds` for a table's clipped sum, or None: not a lookup table (no
+    ``gather`` use), stacked or blocked uses, or factors not in the leaf's own axis order."""
     shape = tuple(leaf.shape)
-    if dim is None or len(shape) != 2 or not any(f.left_is_ids for _, f in factored):
+    if not any(f.left_is_ids for _, f in factored) or len(shape) != 2:
         return None
     if any(f.left.shape[0] != 1 or sites_lib.xs_lengths(s) or f.layout != ((0,), (1,)) or f.rows != shape[0]
            or f.right.shape[-1] != shape[1] for s, f in factored):
         return None
-    pieces = min(shape[1 - dim], -(-4 * math.prod(shape) // chunk_bytes))
-    if pieces < 2:
-        return None
-    extent = shape[1 - dim]
-    return 1 - dim, [(k * extent // pieces, (k + 1) * extent // pieces) for k in range(pieces)]
+    return zero3.piece_bounds(shape, dim, chunk_bytes)
 
 
 def _lookup_piece(factored, coef, axis: int, lo: int, hi: int, kernel: str):

@@ -299,9 +299,21 @@ def sharded_table(plan, site, layout) -> bool:
     ``layout.sum_chunk_bytes`` (formed whole, its reduction to the owners is written beside it by the TPU compiler:
     two tables alive, ``docs/benchmarks/tpu_aot.md``)."""
     path = plan.paths[site.view.leaf]
-    shape = tuple(layout.full(path).shape)
-    return (site.kind == "gather" and not site.lengths and len(shape) == 2 and layout.dim(path) is not None
-            and 4 * math.prod(shape) > layout.sum_chunk_bytes)
+    return (site.kind == "gather" and not site.lengths
+            and piece_bounds(layout.full(path).shape, layout.dim(path), layout.sum_chunk_bytes) is not None)
+
+
+def piece_bounds(shape, dim: int | None, chunk_bytes: int):
+    """``(axis, [(lo, hi), ...])``: a 2-D leaf split on ``dim``, its float32 sum cut along the other axis into pieces
+    of at most ``chunk_bytes``; None when the leaf is not 2-D, not split, or its sum fits in one piece."""
+    shape = tuple(shape)
+    if dim is None or len(shape) != 2:
+        return None
+    extent = shape[1 - dim]
+    pieces = min(extent, -(-4 * math.prod(shape) // chunk_bytes))
+    if pieces < 2:
+        return None
+    return 1 - dim, [(k * extent // pieces, (k + 1) * extent // pieces) for k in range(pieces)]
 
 
 class InChunks:
