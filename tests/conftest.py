@@ -8,6 +8,12 @@ results can differ in their last bits, as between two CPUs: a jitted loss agains
 minutes. Both flags are set in ``XLA_FLAGS``, so the command-line runs the tests start inherit them; a flag the
 environment already sets is kept. Left out where libtpu is installed, so that the libtpu-gated tests compile for TPU
 topologies with that compiler's defaults.
+
+A third pair of flags gives the 8 devices' collectives 600 s, not XLA's 40, to meet before XLA aborts the process:
+on an overloaded two-core host (two workers' 8 device threads each), a device thread can be descheduled past 40 s,
+and the abort took a worker down in CI (``Fatal Python error: Aborted`` in an eager sum over sharded arrays) --
+after which pytest-xdist's ``loadfile`` scheduler waited forever on the replaced worker (pytest-xdist issue 784):
+``pyproject.toml`` now has a dead worker fail the run (``--max-worker-restart=0``) and ends a test stuck for 20 minutes.
 """
 
 import importlib.util
@@ -18,6 +24,9 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"] and importlib.util.find_spec("libtpu") is None:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+if "--xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += (" --xla_cpu_collective_call_terminate_timeout_seconds=600"
+                                " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

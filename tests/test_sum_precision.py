@@ -61,12 +61,14 @@ def _setup(remat: bool):
 
 def _largest_move(summed, params, batch, mask) -> float:
     """``max_j ||S(D) - S(D - j)|| / C`` over a few examples ``j``, ``S`` the noiseless privatized sum."""
-    full = summed(params, batch, mask)
+    def on_host(tree):   # float64 on the host: the distance is not itself rounded, and needs no collective
+        return [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(tree)]
+
+    full = on_host(summed(params, batch, mask))
     moves = []
     for j in range(0, BATCH, BATCH // 4):
-        without = summed(params, batch, mask.at[j].set(False))
-        moves.append(float(jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                                        for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(without))))))
+        without = on_host(summed(params, batch, mask.at[j].set(False)))
+        moves.append(np.sqrt(sum(np.sum(np.square(a - b)) for a, b in zip(full, without))))
     return max(moves) / THRESHOLD
 
 
