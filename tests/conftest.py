@@ -13,7 +13,7 @@ A third pair of flags gives the 8 devices' collectives 600 s, not XLA's 40, to m
 on an overloaded two-core host (two workers' 8 device threads each), a device thread can be descheduled past 40 s,
 and the abort took a worker down in CI (``Fatal Python error: Aborted`` in an eager sum over sharded arrays) --
 after which pytest-xdist's ``loadfile`` scheduler waited forever on the replaced worker (pytest-xdist issue 784):
-``pyproject.toml`` now has a dead worker fail the run (``--max-worker-restart=0``) and ends a test stuck for 20 minutes.
+``pyproject.toml`` now has a dead worker fail the run (``--max-worker-restart=0``) and ends a test stuck for 10 minutes.
 """
 
 import importlib.util
