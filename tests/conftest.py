@@ -13,7 +13,7 @@ A third pair of flags gives the 8 devices' collectives 600 s, not XLA's 40, to m
 on an overloaded two-core host (two workers' 8 device threads each), a device thread can be descheduled past 40 s,
 and the abort took a worker down in CI (``Fatal Python error: Aborted`` in an eager sum over sharded arrays) --
 after which pytest-xdist's ``loadfile`` scheduler waited forever on the replaced worker (pytest-xdist issue 784):
-``pyproject.toml`` now has a dead worker fail the run (``--max-worker-restart=0``) and ends a test stuck for 10 minutes.
+a dead worker now fails the run (:func:`pytest_configure`) and ``pyproject.toml`` ends a test stuck for 10 minutes.
 """
 
 import importlib.util
@@ -32,6 +32,15 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, a worker that dies fails the run instead of being replaced (``--max-worker-restart 0``
+    unless the command line says otherwise): after replacing a crashed worker, the ``loadfile`` scheduler of
+    ``.ci/run`` can wait forever (pytest-xdist issue 784). Runs before xdist's own ``pytest_configure`` (``trylast``),
+    which reads the option."""
+    if getattr(config.option, "maxworkerrestart", False) is None:
+        config.option.maxworkerrestart = "0"
 
 
 @pytest.fixture
