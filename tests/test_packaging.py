@@ -113,3 +113,27 @@ def test_without_tqdm_training_runs_without_a_bar(monkeypatch, tmp_path, capsys)
                                  plot=False, progress=True, noise_multiplier=1.0)).run()
     assert result.steps == 2
     assert "no progress bar: tqdm is not installed (pip install 'dpzero_jax[train]')" in capsys.readouterr().err
+
+
+
+def test_the_suite_fails_fast_instead_of_hanging(pytestconfig):
+    """The guards of ``tests/conftest.py`` and ``pyproject.toml`` against a CI run that hangs: XLA:CPU's collectives
+    wait at least 600 s (not 40) before aborting the process, a test stuck for 10 minutes has its stacks printed and its
+    process ended, and under pytest-xdist a dead worker is not replaced (its ``loadfile`` scheduler can then wait
+    forever) unless the command line asks for restarts."""
+    import types
+
+    import conftest
+
+    terminate = [f for f in os.environ["XLA_FLAGS"].split()
+                 if f.startswith("--xla_cpu_collective_call_terminate_timeout_seconds=")]
+    assert terminate and int(terminate[-1].split("=")[1]) >= 600, terminate   # a flag the environment sets is kept
+    assert float(pytestconfig.getini("faulthandler_timeout")) == 600
+    assert pytestconfig.getini("faulthandler_exit_on_timeout") is True
+    for given, expected in ((None, "0"), ("2", "2")):
+        config = types.SimpleNamespace(option=types.SimpleNamespace(maxworkerrestart=given))
+        conftest.pytest_configure(config)
+        assert config.option.maxworkerrestart == expected
+    without_xdist = types.SimpleNamespace(option=types.SimpleNamespace())
+    conftest.pytest_configure(without_xdist)
+    assert not hasattr(without_xdist.option, "maxworkerrestart")
