@@ -360,12 +360,15 @@ def weighted_rows_at(value: Array, coef: Array, example_axis: int) -> Array:
 def weighted_blocks(value: Array, coef: Array) -> Array:
     """``[K, ...]``: ``sum_i coef_i value[k, i]`` for per-example gradients kept blocks first, ``value [K, B,
     ...]`` (a scanned layer's, in the layout the scan leaves them), float32; examples with ``coef == 0`` contribute
-    exactly zero. One batched contraction over the examples, ``K`` its batch: no transpose of ``value``."""
-    active = coef != 0
+    exactly zero. The scaled rows selected and reduced over the examples: no transpose of ``value``, and on XLA:CPU
+    one fused loop (the select and the scaling) and a library reduction -- a contraction with one row per block was
+    a loop kernel compiled for each leaf (~10 ms of compile time each; 48 scanned layers: 10 of them), as fast to
+    run (``[48, 4, 16384]``: 0.76 against 0.77 ms)."""
     k, batch = value.shape[:2]
-    rows = zero_inactive(_f32(value).reshape(k, batch, -1), active, 1)
-    weights = jnp.broadcast_to(coef.astype(jnp.float32)[None, :], (k, batch))
-    return jnp.einsum("kb,kbn->kn", weights, rows).reshape((k,) + value.shape[2:])
+    rows = _f32(value).reshape(k, batch, -1)
+    scaled = rows * coef.astype(jnp.float32)[None, :, None]
+    kept = jax.lax.select(jax.lax.broadcast_in_dim(coef != 0, rows.shape, (1,)), scaled, jnp.zeros_like(scaled))
+    return jnp.sum(kept, axis=1).reshape((k,) + value.shape[2:])
 
 
 def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla",
