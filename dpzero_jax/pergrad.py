@@ -346,29 +346,34 @@ def _coef_weighted_rows(value: Array, coef: Array) -> Array:
     return jnp.einsum("b...,b->...", value, coef)
 
 
+def scaled_rows(value: Array, coef: Array, example_axis: int) -> Array:
+    """``coef_i value_i`` for the examples on ``example_axis`` (float32), zero -- by a select, never a multiply by
+    zero -- where ``coef_i == 0``: one fused loop, whose reduction over the examples XLA:CPU hands to its library."""
+    value = _f32(value)
+    scaled = value * jax.lax.broadcast_in_dim(coef.astype(jnp.float32), value.shape, (example_axis,))
+    return jax.lax.select(jax.lax.broadcast_in_dim(coef != 0, value.shape, (example_axis,)), scaled,
+                          jnp.zeros_like(scaled))
+
+
 def weighted_rows_at(value: Array, coef: Array, example_axis: int) -> Array:
     """``sum_i coef_i value_i`` over the examples on ``example_axis`` of ``value`` (the other axes kept, in order),
     float32; examples with ``coef == 0`` contribute exactly zero. For per-example gradients left where a scan put
-    the examples (``[*lengths, B, ...]``): no transpose of ``value`` to examples-first."""
+    the examples (``[*lengths, B, ...]``): no transpose of ``value`` to examples-first; the select and the scaling
+    one loop (:func:`scaled_rows`: the weights broadcast apart were one more kernel a leaf shape)."""
     if example_axis == 0:
         return _coef_weighted_rows(_zero_where_inactive(_f32(value), coef != 0), coef.astype(jnp.float32))
-    rows = zero_inactive(_f32(value), coef != 0, example_axis)
-    weights = jax.lax.broadcast_in_dim(coef.astype(jnp.float32), value.shape, (example_axis,))
-    return jnp.sum(rows * weights, axis=example_axis)
+    return jnp.sum(scaled_rows(value, coef, example_axis), axis=example_axis)
 
 
 def weighted_blocks(value: Array, coef: Array) -> Array:
     """``[K, ...]``: ``sum_i coef_i value[k, i]`` for per-example gradients kept blocks first, ``value [K, B,
     ...]`` (a scanned layer's, in the layout the scan leaves them), float32; examples with ``coef == 0`` contribute
-    exactly zero. The scaled rows selected and reduced over the examples: no transpose of ``value``, and on XLA:CPU
-    one fused loop (the select and the scaling) and a library reduction -- a contraction with one row per block was
-    a loop kernel compiled for each leaf (~10 ms of compile time each; 48 scanned layers: 10 of them), as fast to
-    run (``[48, 4, 16384]``: 0.76 against 0.77 ms)."""
+    exactly zero. The scaled rows (:func:`scaled_rows`) reduced over the examples: no transpose of ``value``, and
+    on XLA:CPU one fused loop and a library reduction -- a contraction with one row per block was a loop kernel
+    compiled for each leaf (~10 ms of compile time each; 48 scanned layers: 10 of them), as fast to run
+    (``[48, 4, 16384]``: 0.76 against 0.77 ms)."""
     k, batch = value.shape[:2]
-    rows = _f32(value).reshape(k, batch, -1)
-    scaled = rows * coef.astype(jnp.float32)[None, :, None]
-    kept = jax.lax.select(jax.lax.broadcast_in_dim(coef != 0, rows.shape, (1,)), scaled, jnp.zeros_like(scaled))
-    return jnp.sum(kept, axis=1).reshape((k,) + value.shape[2:])
+    return jnp.sum(scaled_rows(value.reshape(k, batch, -1), coef, 1), axis=1).reshape((k,) + value.shape[2:])
 
 
 def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla",
