@@ -365,15 +365,25 @@ def weighted_rows_at(value: Array, coef: Array, example_axis: int) -> Array:
     return jnp.sum(scaled_rows(value, coef, example_axis), axis=example_axis)
 
 
+REDUCED_BLOCKS = 16   # blocks from which weighted_blocks reduces the scaled rows instead of contracting them
+
+
 def weighted_blocks(value: Array, coef: Array) -> Array:
     """``[K, ...]``: ``sum_i coef_i value[k, i]`` for per-example gradients kept blocks first, ``value [K, B,
     ...]`` (a scanned layer's, in the layout the scan leaves them), float32; examples with ``coef == 0`` contribute
-    exactly zero. The scaled rows (:func:`scaled_rows`) reduced over the examples: no transpose of ``value``, and
-    on XLA:CPU one fused loop and a library reduction -- a contraction with one row per block was a loop kernel
-    compiled for each leaf (~10 ms of compile time each; 48 scanned layers: 10 of them), as fast to run
-    (``[48, 4, 16384]``: 0.76 against 0.77 ms)."""
+    exactly zero; no transpose of ``value``. Fewer than ``REDUCED_BLOCKS`` blocks: one batched contraction over the
+    examples (a matrix-vector product per block). From ``REDUCED_BLOCKS`` on (a deep scan), the scaled rows
+    (:func:`scaled_rows`) reduced over the examples: XLA:CPU compiles each such contraction as a kernel of its own
+    (~10 ms of compile time a leaf; 48 scanned layers: 10 of them), and hands the reduction to its library; that
+    runs about 1% slower in the 48-layer step of ``experiments/bench_depth.py`` and up to 13x slower with 1 or 2
+    blocks (``[1, 16, 262144]``: 14.7 against 1.1 ms), hence the threshold."""
     k, batch = value.shape[:2]
-    return jnp.sum(scaled_rows(value.reshape(k, batch, -1), coef, 1), axis=1).reshape((k,) + value.shape[2:])
+    rows = value.reshape(k, batch, -1)
+    if k >= REDUCED_BLOCKS:
+        return jnp.sum(scaled_rows(rows, coef, 1), axis=1).reshape((k,) + value.shape[2:])
+    weights = jnp.broadcast_to(coef.astype(jnp.float32)[None, :], (k, batch))
+    kept = zero_inactive(_f32(rows), coef != 0, 1)
+    return jnp.einsum("kb,kbn->kn", weights, kept).reshape((k,) + value.shape[2:])
 
 
 def weighted_sum(uses: Sequence[PerExampleGrad], coef: Array, kernel: str = "xla",

@@ -93,6 +93,18 @@ def test_per_head_blocks_match_vmap_grad_with_a_nan_example():
                   include=[1, 1, 1, 0, 1], nonfinite=1)
 
 
+@pytest.mark.parametrize("reduced_from", [2, 10_000])
+def test_both_forms_of_the_blocked_clipped_sum_match_vmap_grad(monkeypatch, reduced_from):
+    """``pergrad.weighted_blocks`` contracts the examples of fewer than ``REDUCED_BLOCKS`` blocks and reduces the
+    scaled rows of more (a deep scan); both exact, a NaN example kept out of either. The norms instantiated, so
+    that the clipped sums are formed from the kept per-example gradients (1, 3 and 6 blocks here)."""
+    monkeypatch.setattr(dz.pergrad, "REDUCED_BLOCKS", reduced_from)
+    check_private(einsum_setup(nan_example=3), clip_fn="abadi", groups="all-layer", mode="bk",
+                  include=[1, 1, 1, 0, 1], nonfinite=1, norm_method="instantiate")
+    check_private(linen_setup(), clip_fn="abadi", groups="all-layer", mode="bk", norm_method="instantiate",
+                  mask=np.array([1, 1, 0, 1, 1], bool), include=[1, 1, 0, 1, 1])
+
+
 def _swapped_stacks(hlo: str) -> list[str]:
     """Transposes in ``hlo`` that exchange the iterations and examples of an ``[L, B, ...]`` (or ``[B, L, ...]``)
     float array."""
