@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 import warnings
@@ -227,14 +228,34 @@ def request_cpu_devices(cfg: TrainConfig) -> None:
     request_cpu_device_count(shape.size // (cfg.num_processes or 1))
 
 
+# XLA:CPU aborts the process when its virtual devices do not all reach a collective within 40 s (its default); on a
+# loaded host a simulated mesh can miss that without any deadlock (the test suite's workers did, tests/conftest.py)
+CPU_COLLECTIVE_TIMEOUTS = {"--xla_cpu_collective_call_terminate_timeout_seconds": 600,
+                           "--xla_cpu_collective_call_warn_stuck_timeout_seconds": 120}
+
+
 def request_cpu_device_count(count: int) -> None:
     """At least ``count`` virtual CPU devices in this process; only effective before JAX's first operation (after
-    it, the devices that exist are used), irrelevant on GPU / TPU."""
+    it, the devices that exist are used), irrelevant on GPU / TPU. With more than one, XLA:CPU's collective
+    timeouts are raised to ``CPU_COLLECTIVE_TIMEOUTS`` (600 s to abort, 120 s to warn) unless ``XLA_FLAGS`` sets
+    them: XLA reads that variable when its CPU backend starts, which is after this call when it has any effect."""
     try:
         if jax.config.jax_num_cpu_devices < count:
             jax.config.update("jax_num_cpu_devices", count)
+            if count > 1:
+                relax_cpu_collective_timeouts()
     except (RuntimeError, TypeError, ValueError):
         pass  # JAX already started
+
+
+def relax_cpu_collective_timeouts(environ=None) -> None:
+    """Append :data:`CPU_COLLECTIVE_TIMEOUTS` to ``XLA_FLAGS`` in ``environ`` (default ``os.environ``), each flag
+    unless it is there already."""
+    environ = os.environ if environ is None else environ
+    flags = environ.get("XLA_FLAGS", "")
+    extra = [f"{flag}={value}" for flag, value in CPU_COLLECTIVE_TIMEOUTS.items() if flag not in flags]
+    if extra:
+        environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
 def init_distributed(cfg: TrainConfig) -> None:

@@ -137,3 +137,24 @@ def test_the_suite_fails_fast_instead_of_hanging(pytestconfig):
     without_xdist = types.SimpleNamespace(option=types.SimpleNamespace())
     conftest.pytest_configure(without_xdist)
     assert not hasattr(without_xdist.option, "maxworkerrestart")
+
+
+def test_a_simulated_cpu_mesh_raises_xla_collective_timeouts():
+    """``dpzero train --mesh`` on a CPU asks for virtual devices (``train_setup.request_cpu_device_count``) and, as
+    the test suite does, raises XLA:CPU's 40 s collective abort to 600 s through ``XLA_FLAGS`` -- each flag unless
+    the environment sets it already."""
+    from dpzero_jax.train_setup import CPU_COLLECTIVE_TIMEOUTS, relax_cpu_collective_timeouts
+
+    environ = {}
+    relax_cpu_collective_timeouts(environ)
+    assert environ["XLA_FLAGS"].split() == [f"{flag}={value}" for flag, value in CPU_COLLECTIVE_TIMEOUTS.items()]
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                            "--xla_cpu_collective_call_terminate_timeout_seconds=30"}
+    relax_cpu_collective_timeouts(environ)
+    assert environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4",
+                                            "--xla_cpu_collective_call_terminate_timeout_seconds=30",
+                                            "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120"]
+    relax_cpu_collective_timeouts(environ)   # nothing twice
+    assert len(environ["XLA_FLAGS"].split()) == 3
+    for flag, value in CPU_COLLECTIVE_TIMEOUTS.items():   # the suite's own guard sets the same values
+        assert f"{flag}={value}" in os.environ["XLA_FLAGS"]
