@@ -33,8 +33,8 @@ _ATTRIBUTES = {
     "private_value_and_grad": "engine",
 }
 _SUBMODULES = (
-    "accounting", "adaptive_clipping", "aot", "clipping", "hf", "models", "nn", "noise", "ops", "peft", "pergrad",
-    "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
+    "accounting", "adaptive_clipping", "aot", "clipping", "hf", "layers", "models", "nn", "noise", "ops", "peft",
+    "pergrad", "planner", "rmm", "rmm_diagnostics", "rules", "sampling", "sharding", "sketch", "text", "train",
 )
 # importable as attributes too (they were, as side effects of the eager imports), not exported by ``*``
 _OTHER_SUBMODULES = ("checkpoints", "cli", "config", "data", "engine", "explain", "fit", "fit_data", "loss_check",

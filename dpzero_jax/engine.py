@@ -344,7 +344,7 @@ def private_value_and_grad(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = 
     training mode), no mean or contrastive term over the batch inside it: ``grad L_i`` is what is clipped, and the
     sensitivity of the sum assumes that example ``i`` changes only its own term. ``mode="vmap"`` and the
     traced-program front-end evaluate it on one example at a time (a batch of one), so a loss that couples the
-    examples is computed there as if each example were alone; through the ``dpzero_jax.nn`` layers' tapes, one
+    examples is computed there as if each example were alone; through the ``dpzero_jax.layers`` layers' tapes, one
     example's gradient would carry the other examples' terms, and the clipping would no longer bound the sum's
     sensitivity. The engine does not check it: :func:`dpzero_jax.loss_check.check_per_example_loss` does, on a batch.
 

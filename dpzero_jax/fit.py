@@ -6,7 +6,7 @@ sampling, accounting and checkpoints.
 * model: a ``flax.nnx`` module (``loss_fn(model, batch)``; its ``wrt`` variables, ``nnx.Param`` by default, are
   trained, the rest of its state is passed through unchanged), or a params pytree of float arrays
   (``loss_fn(params, batch)``: a flax.linen ``apply``, plain ``jax.numpy``). Any JAX model: the engine plans it
-  (:func:`dpzero_jax.private_value_and_grad`; the traced-program front-end when it is not built of ``dz.nn``
+  (:func:`dpzero_jax.private_value_and_grad`; the traced-program front-end when it is not built of ``dz.layers``
   layers).
 * loss_fn: per-example losses ``[B]`` (not their mean): checked on the first batch.
 * optimizer: any ``optax.GradientTransformation`` (schedules included); it receives the private gradient.

@@ -251,7 +251,7 @@ def make_plan(loss_fn: Callable, cfg: DPConfig, params, batch, *, require_suppor
         raise UnsupportedParameterError(
             f"trainable parameters used outside a supported DP layer: {outside}"
             f"{misplaced_note(misplaced.values())}. This engine path needs "
-            "dpzero_jax layers (dpzero_jax.nn / dpzero_jax.ops); DPConfig(front_end='auto' or 'program') with "
+            "dpzero_jax layers (dpzero_jax.layers / dpzero_jax.ops); DPConfig(front_end='auto' or 'program') with "
             "mode='bk' or 'auto' computes any model from its traced program, and mode='vmap' always works.")
     trainable_records = tuple(r for r in records if r.param_paths)
     uses: dict[str, list] = collections.defaultdict(list)

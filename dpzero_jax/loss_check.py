@@ -2,7 +2,7 @@
 
 The sensitivity of the clipped gradient sum assumes that example ``i`` changes only its own term ``L_i``
 (:func:`dpzero_jax.private_value_and_grad`). A loss with batch statistics (a batch norm in training mode), a mean
-over the batch or a contrastive term couples the examples: through the ``dpzero_jax.nn`` layers' tapes one
+over the batch or a contrastive term couples the examples: through the ``dpzero_jax.layers`` layers' tapes one
 example's clipped gradient then carries the others' terms, and the traced-program front-end and ``mode="vmap"``
 (which evaluate the loss on one example at a time) train a different loss than the one written, without a word.
 The engine cannot see this from the program, so it is checked on data, by :func:`check_per_example_loss`:

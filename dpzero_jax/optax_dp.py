@@ -163,7 +163,7 @@ def nnx_private_step(loss_fn: Callable, cfg: DPConfig, *, has_aux: bool = False,
     :func:`dpzero_jax.private_value_and_grad` with noise key ``key`` (clipping, noise and division as ``cfg``
     says), and applies ``optimizer.update(model, grads)`` in place -- ``optimizer`` is an ``nnx.Optimizer`` over any
     optax transformation (without a privatizer: the gradient is already private). ``jit=True`` wraps it in
-    ``nnx.jit``. ``cfg.mode="vmap"`` is needed for layers other than ``dpzero_jax.nn``'s.
+    ``nnx.jit``. ``cfg.mode="vmap"`` is needed for layers other than ``dpzero_jax.layers``'s.
 
     The other way round also works: ``nnx.Optimizer(model, optax.chain(gaussian_privatizer(...), tx), wrt=...)``
     holds the privatizer's key in its state, and a step of your own applies ``optimizer.update(model, grad_sum)``

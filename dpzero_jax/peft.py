@@ -16,7 +16,7 @@ Methods:
 
 * ``"lora"``: each targeted dense layer ``y = base(x)`` becomes ``base(x) + (alpha / rank) * B(A(x))`` with
   ``A: [*in, rank]`` (``N(0, 1/fan_in)`` from ``key``) and ``B: [rank, *out]`` (zeros, so the model's function is
-  unchanged at the start). ``A`` and ``B`` are DP dense layers (:class:`~dpzero_jax.nn.DenseGeneral` without bias):
+  unchanged at the start). ``A`` and ``B`` are DP dense layers (:class:`~dpzero_jax.layers.DenseGeneral` without bias):
   the linear rule gives their exact per-example norms (``A``'s input is ``x``, ``B``'s input is ``A x``). Only ``A``
   and ``B`` train; the base kernel and bias are frozen.
 * ``"bitfit"``: every parameter named ``bias`` trains -- dense layers and LayerNorms alike (BiTFiT trains the biases
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpzero_jax import nn
+from dpzero_jax import layers
 from dpzero_jax.models import llama, transformer
 from dpzero_jax.options import OptionGroup, choice, integer, number, option, patterns
 
@@ -54,7 +54,7 @@ PEFT_METHODS = ("none", "lora", "bitfit", "linear-probe")   # a training run's `
 LORA_RANK = integer(1, "a positive int")   # add_lora's rank and PeftOptions.lora_rank
 LORA_ALPHA = number()
 DEFAULT_HEAD = "head|lm_head"
-DENSE_TYPES = (nn.Linear, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
+DENSE_TYPES = (layers.Linear, layers.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
 
 Path = tuple  # an NNX path: a tuple of attribute names (str) and list indices (int)
 
@@ -86,16 +86,16 @@ class LoRA(nnx.Module):
     leading axes of a stacked base kernel ``[*S, *in, *out]`` in front: ``[*S, *in, rank]``, ``[*S, rank, *out]``).
     """
 
-    def __init__(self, base: nn.Linear | nn.DenseGeneral | nnx.Linear | nnx.LinearGeneral, *, rank: int,
+    def __init__(self, base: layers.Linear | layers.DenseGeneral | nnx.Linear | nnx.LinearGeneral, *, rank: int,
                  alpha: float, key: jax.Array):
-        in_shape, out_shape = nn.dense_shapes(base)
+        in_shape, out_shape = layers.dense_shapes(base)
         self.base = base
         self.rank, self.alpha, self.scale = rank, float(alpha), float(alpha) / rank
         rngs = nnx.Rngs(params=key)
-        self.lora_a = nn.DenseGeneral(in_shape, (rank,), use_bias=False, rngs=rngs)
-        self.lora_b = nn.DenseGeneral((rank,), out_shape, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
+        self.lora_a = layers.DenseGeneral(in_shape, (rank,), use_bias=False, rngs=rngs)
+        self.lora_b = layers.DenseGeneral((rank,), out_shape, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
                                       rngs=rngs)
-        stack = nn.stacked_axes(base)
+        stack = layers.stacked_axes(base)
         if stack:   # a stacked (scanned) layer: one adapter per slice, drawn like the unstacked one
             init = nnx.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))
             self.lora_a.kernel = nnx.Param(init(jax.random.fold_in(key, 1), stack + in_shape + (rank,), jnp.float32))
@@ -191,9 +191,8 @@ def add_lora(model: nnx.Module, *, rank: int, alpha: float, key: jax.Array,
     if targets is None:
         chosen = default_lora_targets(model)
         if not chosen:
-            raise ValueError("peft: the model has no dense layer (dpzero_jax.nn.Linear / DenseGeneral, nnx.Linear / "
-                             "LinearGeneral) "
-                             "for LoRA")
+            raise ValueError("peft: the model has no dense layer (dpzero_jax.layers.Linear / DenseGeneral, "
+                             "nnx.Linear / LinearGeneral) for LoRA")
     else:
         chosen = _select(list(dense), _as_patterns(targets, "LoRA target"), "LoRA target", "dense layer")
     chosen = sorted(chosen, key=path_name)
@@ -275,7 +274,7 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     for path in sorted(adapters, key=len, reverse=True):  # innermost first (adapters are not nested in practice)
         lora = _node(model, path)
         base = lora.base
-        stack = nn.stacked_axes(base)
+        stack = layers.stacked_axes(base)
         a, b = lora.lora_a.kernel[...], lora.lora_b.kernel[...]
         flat_a = a.reshape((math.prod(stack), -1, lora.rank))
         flat_b = b.reshape((math.prod(stack), lora.rank, -1))

@@ -24,7 +24,7 @@ Two layouts (``RMMConfig.projection``):
 The key is an explicit array: a fresh one must be supplied every step (:func:`keyed_objective`; reusing a key
 reuses ``S``: each step's estimate stays unbiased but the steps' errors are correlated).
 
-Use: ``convert_to_rmm(model, RMMConfig(sketch="gaussian", rate=0.2))`` swaps dense layers -- ``dz.nn.Linear`` /
+Use: ``convert_to_rmm(model, RMMConfig(sketch="gaussian", rate=0.2))`` swaps dense layers -- ``dz.layers.Linear`` /
 ``DenseGeneral``, and Flax's ``nnx.Linear`` / ``nnx.LinearGeneral`` -- for :class:`RMMDense` in place (same
 parameters, same paths); then
 ``params, loss_for_key = keyed_objective(dz.models.classification_objective, model)`` and, in every step,
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpzero_jax import nn
+from dpzero_jax import layers
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.rules.linear import LINEAR, LinearSpec
 from dpzero_jax.rules.rmm import RMM_LINEAR, RMMSpec, positions_view
@@ -166,7 +166,7 @@ class RMMKey(nnx.Variable):
 class RMMDense(nnx.Module):
     """RMM linear layer ``[B, *T, *in_shape] -> [B, *T, *out_shape]`` (kernel ``[*in_shape, *out_shape]``).
 
-    Holds ``kernel`` and ``bias`` (``nnx.Param``, same names and shapes as ``dz.nn.Linear`` / ``DenseGeneral`` and
+    Holds ``kernel`` and ``bias`` (``nnx.Param``, same names and shapes as ``dz.layers.Linear`` / ``DenseGeneral`` and
     ``nnx.Linear`` / ``LinearGeneral``), the sketch key (:class:`RMMKey`) and its :class:`RMMConfig`; ``dtype``:
     the compute dtype the input, kernel and bias are cast to (``None``: the input's; a converted ``nnx.Linear``
     keeps its own). Build one from scratch with :meth:`create` or from an existing layer with :meth:`from_layer`
@@ -187,7 +187,7 @@ class RMMDense(nnx.Module):
     @classmethod
     def create(cls, in_shape: int | Sequence[int], out_shape: int | Sequence[int], config: RMMConfig, *,
                use_bias: bool = True, kernel_init=None, rngs: nnx.Rngs) -> RMMDense:
-        """A freshly initialised layer (LeCun-normal kernel, zero bias), like ``dz.nn.DenseGeneral``."""
+        """A freshly initialised layer (LeCun-normal kernel, zero bias), like ``dz.layers.DenseGeneral``."""
         in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
         out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
         init = kernel_init or nnx.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))
@@ -196,7 +196,7 @@ class RMMDense(nnx.Module):
         return cls(kernel, bias, rngs.params(), config, n_in=len(in_shape))
 
     @classmethod
-    def from_layer(cls, layer: nn.Linear | nn.DenseGeneral | nnx.Linear | nnx.LinearGeneral, config: RMMConfig,
+    def from_layer(cls, layer: layers.Linear | layers.DenseGeneral | nnx.Linear | nnx.LinearGeneral, config: RMMConfig,
                    key) -> RMMDense:
         """The RMM version of a dense layer (:data:`CONVERTIBLE`) with the same parameter values (and, for Flax's
         own layers, the same compute dtype)."""
@@ -219,18 +219,18 @@ class RMMDense(nnx.Module):
 
 
 # The dense layers convert_to_rmm converts: this project's and Flax NNX's own.
-CONVERTIBLE = (nn.Linear, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
+CONVERTIBLE = (layers.Linear, layers.DenseGeneral, nnx.Linear, nnx.LinearGeneral)
 
 
 def _dense_layout(layer) -> tuple[tuple[int, ...], tuple[int, ...], str | None]:
     """``(in_shape, out_shape, compute dtype)`` of a dense layer of :data:`CONVERTIBLE`; a layer whose computation an
     RMM layer would not reproduce (a custom ``dot_general``, ``precision``, contracted axes that are not the
     trailing ones, batch axes) is refused with the reason."""
-    if isinstance(layer, (nn.Linear, nn.DenseGeneral)):
-        in_shape, out_shape = nn.dense_shapes(layer)
+    if isinstance(layer, (layers.Linear, layers.DenseGeneral)):
+        in_shape, out_shape = layers.dense_shapes(layer)
         return tuple(in_shape), tuple(out_shape), None
     if not isinstance(layer, (nnx.Linear, nnx.LinearGeneral)):
-        raise TypeError(f"RMM layers replace dz.nn.Linear / DenseGeneral or nnx.Linear / LinearGeneral, got "
+        raise TypeError(f"RMM layers replace dz.layers.Linear / DenseGeneral or nnx.Linear / LinearGeneral, got "
                         f"{type(layer).__name__}")
     name = type(layer).__name__
     for attribute in ("dot_general", "dot_general_cls", "precision", "preferred_element_type"):
@@ -256,7 +256,7 @@ def _path_name(path) -> str:
 def convert_to_rmm(model: nnx.Module, config: RMMConfig | None = None, *, sketch: str | None = None,
                    rate: float | None = None, private: bool | None = None,
                    where: Callable[[str, nnx.Module], bool] | None = None, seed: int = 0) -> nnx.Module:
-    """Swap the dense layers of ``model`` (:data:`CONVERTIBLE`: ``dz.nn.Linear`` / ``DenseGeneral``, ``nnx.Linear``
+    """Swap the dense layers of ``model`` (:data:`CONVERTIBLE`: ``dz.layers.Linear`` / ``DenseGeneral``, ``nnx.Linear``
     / ``nnx.LinearGeneral``) for :class:`RMMDense`, in place.
 
     Give ``config``, or ``sketch`` and ``rate`` (then ``private`` picks the layout: ``True`` -> ``"tokens"``, the

@@ -135,7 +135,7 @@ def _apply_rmm(cfg: TrainConfig, model: nnx.Module, trainable: peft.Trainable) -
 
     if not any(where(peft.path_name(path), m) for path, m in nnx.iter_modules(model)
                if isinstance(m, rmm.CONVERTIBLE)):   # what convert_to_rmm converts
-        raise ValueError(f"TrainConfig.rmm={cfg.rmm!r}: no dense layer (dpzero_jax.nn.Linear / DenseGeneral, "
+        raise ValueError(f"TrainConfig.rmm={cfg.rmm!r}: no dense layer (dpzero_jax.layers.Linear / DenseGeneral, "
                          f"nnx.Linear / LinearGeneral) besides the head has a trainable kernel (peft={cfg.peft!r}), "
                          f"so there is nothing to convert")
     if cfg.model == "mlp" and not cfg.no_dp:

@@ -1,4 +1,4 @@
-"""The two front ends on the same model: GPT-2 from ``dz.nn`` layers planned from its layer calls
+"""The two front ends on the same model: GPT-2 from ``dz.layers`` layers planned from its layer calls
 (``front_end="layers"``) and from its traced program (``front_end="program"``), and the bundled GPT-2 (Flax's own
 layers: ``nnx.Embed``, ``nnx.Linear``, ``nnx.LayerNorm``, as a user writes a model; the program front-end, the only
 one such a model has), each against its own non-DP step.
@@ -14,7 +14,7 @@ bfloat16 parameters and computation; ``bk`` only), for a GPU.
 
 ``--model vit``: the bundled ViT (standard Flax layers: ``nnx.Conv`` patches, ``nnx.Linear`` /
 ``nnx.LayerNorm``, a bare class token and position table; the program front-end) against the same
-ViT written here from ``dz.nn`` layers (:class:`DPLayerViT`: the layers front-end; and, as ``dz.nn program bk``,
+ViT written here from ``dz.layers`` layers (:class:`DPLayerViT`: the layers front-end; and, as ``dz.layers program bk``,
 planned from its traced program), each against its own non-DP step (ViT-S-like: 32 x 32 images, patches 4, width
 128, 4 layers, B 32).
 
@@ -51,18 +51,18 @@ from dpzero_jax.models.transformer import DP_LAYERS, Block  # noqa: E402
 
 
 class DPLayerViT(nnx.Module):
-    """:class:`dpzero_jax.models.ViT`'s computation from ``dz.nn`` layers: ``image [B, H, W, C] -> logits``."""
+    """:class:`dpzero_jax.models.ViT`'s computation from ``dz.layers`` layers: ``image [B, H, W, C] -> logits``."""
 
     def __init__(self, c: dz.models.ViTConfig, *, rngs: nnx.Rngs):
         d = c.hidden_size
-        self.patch_embed = dz.nn.PatchEmbed(c.patch_size, c.num_channels, d, rngs=rngs)
-        self.cls_token = dz.nn.Embed(1, d, rngs=rngs)
-        self.position = dz.nn.Embed(c.num_patches + 1, d, rngs=rngs)
+        self.patch_embed = dz.layers.PatchEmbed(c.patch_size, c.num_channels, d, rngs=rngs)
+        self.cls_token = dz.layers.Embed(1, d, rngs=rngs)
+        self.position = dz.layers.Embed(c.num_patches + 1, d, rngs=rngs)
         self.blocks = nnx.List([Block(d, c.num_attention_heads, c.intermediate_size, causal=False,
                                       approximate_gelu=False, eps=c.layer_norm_eps, layers=DP_LAYERS, rngs=rngs)
                                 for _ in range(c.num_hidden_layers)])
-        self.ln = dz.nn.LayerNorm(d, eps=c.layer_norm_eps)
-        self.head = dz.nn.Linear(d, c.num_classes, rngs=rngs)
+        self.ln = dz.layers.LayerNorm(d, eps=c.layer_norm_eps)
+        self.head = dz.layers.Linear(d, c.num_classes, rngs=rngs)
 
     def __call__(self, images: jax.Array) -> jax.Array:
         x = self.patch_embed(images)                                          # [B, N, d]
@@ -76,7 +76,7 @@ class DPLayerViT(nnx.Module):
 
 def _gpt2_candidates(quick: bool, gpt2_small: bool = False):
     """``({name: (fn, args, baseline name)}, title)`` for the bundled GPT-2 (Flax layers: the program front-end) and
-    the same model from ``dz.nn`` layers (``dz.nn ...``: both front ends), each against its own non-DP step."""
+    the same model from ``dz.layers`` layers (``dz.layers ...``: both front ends), each against its own non-DP step."""
     dtype = jnp.float32
     if quick:
         vocab, layers, width, heads, seq, batch_size = 64, 2, 32, 2, 16, 4
@@ -92,7 +92,7 @@ def _gpt2_candidates(quick: bool, gpt2_small: bool = False):
     candidates = {}
     compute = None if dtype == jnp.float32 else dtype     # a 16-bit model computes in 16 bits (not only stores)
     for label, model, front_ends in (("", dz.models.GPT2(config, rngs=nnx.Rngs(0), dtype=compute), ("program",)),
-                                     ("dz.nn ", dz.models.GPT2(config, rngs=nnx.Rngs(0), layers=DP_LAYERS,
+                                     ("dz.layers ", dz.models.GPT2(config, rngs=nnx.Rngs(0), layers=DP_LAYERS,
                                                                dtype=compute), ("layers", "program"))):
         params, loss_fn = dz.models.lm_objective(model)
         params = jax.tree.map(lambda x: x.astype(dtype), params)
@@ -137,7 +137,7 @@ def _vit_candidates(quick: bool, tpu_chips: int = 0):
     candidates = {}
     build = nnx.eval_shape if tpu_chips else (lambda make: make())
     for label, model in (("flax", build(lambda: dz.models.ViT(config, rngs=nnx.Rngs(0)))),
-                         ("dz.nn", build(lambda: DPLayerViT(config, rngs=nnx.Rngs(0))))):
+                         ("dz.layers", build(lambda: DPLayerViT(config, rngs=nnx.Rngs(0))))):
         params, loss_fn = dz.models.classification_objective(model)
         base = f"{label} non-DP"
         candidates[base] = (jax.jit(jax.value_and_grad(lambda p, b, f=loss_fn: jnp.mean(f(p, b)))), (params, batch),
@@ -148,14 +148,14 @@ def _vit_candidates(quick: bool, tpu_chips: int = 0):
             cfg = dz.DPConfig(noise_multiplier=1.0, mode=mode, expected_batch_size=batch_size, target=target)
             candidates[f"{label} {mode}"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)), (params, batch, key),
                                              base)
-        if label == "dz.nn":   # the same layers planned from the traced program: the front end's own share
+        if label == "dz.layers":   # the same layers planned from the traced program: the front end's own share
             cfg = dz.DPConfig(noise_multiplier=1.0, mode="bk", front_end="program", expected_batch_size=batch_size,
                               target=target)
-            candidates["dz.nn program bk"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)), (params, batch, key),
-                                              base)
+            candidates["dz.layers program bk"] = (jax.jit(dz.private_value_and_grad(loss_fn, cfg)),
+                                                  (params, batch, key), base)
     title = (f"ViT {config.image_size}x{config.image_size}, patches {config.patch_size}, width {config.hidden_size}, "
              f"{config.num_hidden_layers} layers, B {batch_size}{f' on {tpu_chips} TPU chips' if tpu_chips else ''}: "
-             "Flax layers (program front-end) and dz.nn layers "
+             "Flax layers (program front-end) and dz.layers layers "
              "(layers front-end), each against its own non-DP step")
     return candidates, title
 

@@ -64,7 +64,7 @@ How to run
     python experiments/bench_overhead.py                        # W1, W2, W3 (10-25 minutes on a 2-core CPU)
     python experiments/bench_overhead.py --workloads W1 --modes auto,bk --rounds 11
     python experiments/bench_overhead.py --gpt2-small           # on a GPU
-    python experiments/bench_overhead.py --layers dz.nn --modes auto  # GPT-2 from dz.nn layers (layers front-end)
+    python experiments/bench_overhead.py --layers dz.layers --modes auto  # GPT-2 from dz.layers (the layers front-end)
     python experiments/bench_overhead.py --norm-method mixed   # another per-layer norm rule for every DP candidate
 
 Results go to ``--out`` (default ``experiments/results/bench_overhead_<backend>.json``; ``_quick`` /
@@ -331,9 +331,9 @@ def parse_args(argv=None):
     parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small, T=256, B=32, bf16 (for a GPU)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="parameter and compute dtype override")
-    parser.add_argument("--layers", choices=("flax", "dz.nn"), default="flax",
+    parser.add_argument("--layers", choices=("flax", "dz.layers"), default="flax",
                         help="the bundled GPT2 (Flax's layers: the traced-program front-end) or the same model from "
-                             "dz.nn layers (GPT2(layers=DP_LAYERS): the layers front-end)")
+                             "dz.layers layers (GPT2(layers=DP_LAYERS): the layers front-end)")
     parser.add_argument("--norm-method", default="auto", choices=("auto", "mixed", "fastest", "ghost", "instantiate"),
                         help="DPConfig.norm_method of every DP candidate (default auto: the backend's rule)")
     parser.add_argument("--no-donate", dest="donate", action="store_false",

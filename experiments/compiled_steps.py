@@ -144,7 +144,7 @@ DP_CANDIDATES = {   # every DP candidate is configured with target="tpu" (the st
     "ghost": dict(mode="ghost"),
     "fused": dict(mode="fused", groups="layer-wise"),
     "vmap": dict(mode="vmap"),
-    # the same model planned from its traced program instead of its dz.nn layer calls (dpzero_jax.program)
+    # the same model planned from its traced program instead of its dz.layers layer calls (dpzero_jax.program)
     "program_bk": dict(mode="bk", front_end="program"),
     "program_ghost": dict(mode="ghost", front_end="program"),
     # auto with the per-example gradients book-keeping instantiates kept in bfloat16 (DPConfig.instantiated_dtype)

@@ -42,7 +42,7 @@ class Workload:
     batch_size: int
     vocab_size: int = 8192
     dtype: str = "float32"
-    layers: str = "flax"           # "flax": the bundled GPT2 (Flax's layers); "dz.nn": GPT2(layers=DP_LAYERS)
+    layers: str = "flax"           # "flax": the bundled GPT2 (Flax's layers); "dz.layers": GPT2(layers=DP_LAYERS)
     norm_method: str = "auto"      # DPConfig.norm_method of every DP candidate
 
     def describe(self) -> str:
@@ -123,7 +123,7 @@ def make_steps(loss_fn, optimizer, names: list[str], batch_size: int, norm_metho
 
 def resolve_auto(loss_fn, cfg: dz.DPConfig, params, batch) -> str:
     """What ``mode="auto"`` picks for this backend and these shapes, and on which front end (the engine's own
-    choice, as :func:`dpzero_jax.explain_plan` reports it: a model not built from ``dz.nn`` layers is planned from
+    choice, as :func:`dpzero_jax.explain_plan` reports it: a model not built from ``dz.layers`` layers is planned from
     its traced program)."""
     try:
         report = dz.explain_plan(loss_fn, cfg, params, batch)
@@ -217,7 +217,7 @@ def make_workload(workload: Workload, seed: int = 0):
     # A 16-bit workload computes in that dtype: Flax's Embed fixes its dtype when it is built (float32 here), so
     # casting the parameters afterwards alone would leave the whole model computing in float32.
     compute = None if workload.dtype == "float32" else workload.dtype
-    if workload.layers == "dz.nn":   # the same computation and parameters from dz.nn layers
+    if workload.layers == "dz.layers":   # the same computation and parameters from dz.layers
         from dpzero_jax.models.transformer import DP_LAYERS
         model = dz.models.GPT2(config, rngs=nnx.Rngs(seed), layers=DP_LAYERS, dtype=compute)
     else:

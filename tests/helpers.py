@@ -64,7 +64,7 @@ GPT2_LAYERS = ("wte", "wpe", "h/0/ln_1", "h/0/attn/c_attn", "h/0/attn/c_proj", "
 
 @functools.cache
 def gpt2(tied: bool = True, dz_nn: bool = False) -> Setup:
-    """The bundled GPT-2 (Flax layers: the program front-end), or with ``dz_nn`` the same model from ``dz.nn``
+    """The bundled GPT-2 (Flax layers: the program front-end), or with ``dz_nn`` the same model from ``dz.layers``
     layers (``layers=DP_LAYERS``: the layers front-end)."""
     config = dz.models.GPT2Config(vocab_size=23, n_positions=12, n_embd=16, n_layer=1, n_head=2,
                                   tie_word_embeddings=tied)
@@ -105,13 +105,13 @@ def mlp() -> Setup:
 
 
 class LayersMLP(nnx.Module):
-    """``dz.models.MLP`` built from ``dz.nn.Linear`` layers: planned by the layers front-end (its own features --
+    """``dz.models.MLP`` built from ``dz.layers.Linear`` layers: planned by the layers front-end (its own features --
     fused mode's refusals, auto's memory budget, autotune -- are tested on it)."""
 
     def __init__(self, config: dz.models.MLPConfig, *, rngs: nnx.Rngs):
         widths = (config.in_features,) + tuple(config.hidden)
-        self.layers = nnx.List([dz.nn.Linear(a, b, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
-        self.head = dz.nn.Linear(widths[-1], config.num_classes, rngs=rngs)
+        self.layers = nnx.List([dz.layers.Linear(a, b, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])])
+        self.head = dz.layers.Linear(widths[-1], config.num_classes, rngs=rngs)
 
     def __call__(self, x):
         x = x.reshape(x.shape[0], -1)

@@ -16,7 +16,7 @@ from dp_accounting import pld, rdp
 from flax import nnx
 
 from dpzero_jax import accounting, adaptive_clipping, checkpoints
-from dpzero_jax import nn as dz_nn
+from dpzero_jax import layers as dz_nn
 from dpzero_jax.config import DPConfig
 from dpzero_jax.engine import private_value_and_grad
 from dpzero_jax.train import TrainConfig, Trainer

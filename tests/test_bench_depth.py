@@ -35,11 +35,11 @@ def test_bench_front_ends_quick_writes_its_table(tmp_path):
     out = tmp_path / "front_ends.json"
     bench_front_ends.main(["--quick", "--rounds", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"non-DP", "program bk", "program ghost", "dz.nn non-DP", "dz.nn layers bk",
-                         "dz.nn layers ghost", "dz.nn program bk", "dz.nn program ghost"}
+    assert set(rows) == {"non-DP", "program bk", "program ghost", "dz.layers non-DP", "dz.layers layers bk",
+                         "dz.layers layers ghost", "dz.layers program bk", "dz.layers program ghost"}
     assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
-    assert {row["baseline"] for name, row in rows.items() if name.startswith("dz.nn")} == {"dz.nn non-DP"}
-    assert {row["baseline"] for name, row in rows.items() if not name.startswith("dz.nn")} == {"non-DP"}
+    assert {row["baseline"] for name, row in rows.items() if name.startswith("dz.layers")} == {"dz.layers non-DP"}
+    assert {row["baseline"] for name, row in rows.items() if not name.startswith("dz.layers")} == {"non-DP"}
 
 
 @pytest.mark.slow
@@ -49,7 +49,7 @@ def test_bench_front_ends_quick_vit_writes_its_table(tmp_path):
     out = tmp_path / "front_ends_vit.json"
     bench_front_ends.main(["--model", "vit", "--quick", "--rounds", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {f"{layers} {mode}" for layers in ("flax", "dz.nn")
-                         for mode in ("non-DP", "auto", "bk", "ghost", "vmap")} | {"dz.nn program bk"}
+    assert set(rows) == {f"{layers} {mode}" for layers in ("flax", "dz.layers")
+                         for mode in ("non-DP", "auto", "bk", "ghost", "vmap")} | {"dz.layers program bk"}
     assert all(row["step_s"] > 0 and row["flops"] > 0 for row in rows.values())
-    assert rows["flax bk"]["baseline"] == "flax non-DP" and rows["dz.nn bk"]["baseline"] == "dz.nn non-DP"
+    assert rows["flax bk"]["baseline"] == "flax non-DP" and rows["dz.layers bk"]["baseline"] == "dz.layers non-DP"

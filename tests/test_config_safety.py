@@ -140,7 +140,7 @@ def test_autotune_warns_when_it_falls_back_to_vmap():
 
     import dpzero_jax as dz
 
-    def loss_fn(p, batch):   # a parameter used outside a dz.nn layer: with front_end="layers" only vmap clips it
+    def loss_fn(p, batch):   # a parameter used outside a dz.layers layer: with front_end="layers" only vmap clips it
         return jnp.sum(jnp.sin(p["w"] * batch["x"]) ** 2, axis=-1)
 
     with pytest.warns(RuntimeWarning, match="falling back to mode='vmap'"):

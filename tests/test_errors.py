@@ -89,7 +89,7 @@ class RawBias(nnx.Module):
     """A Linear followed by a raw ``nnx.Param`` bias added outside any DP layer."""
 
     def __init__(self, config, *, rngs):
-        self.lin = dz.nn.Linear(6, 4, use_bias=False, rngs=rngs)
+        self.lin = dz.layers.Linear(6, 4, use_bias=False, rngs=rngs)
         self.b = nnx.Param(jnp.linspace(-1.0, 1.0, 4))
 
     def __call__(self, x):
@@ -334,3 +334,18 @@ def test_stateful_layers_in_training_mode_are_named(layer):
     model.eval()
     losses, _ = step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), batch, jax.random.key(0))
     assert losses.shape == (4,) and bool(jnp.all(jnp.isfinite(losses)))
+
+
+def test_dpzero_jax_nn_holds_the_dp_specific_layers_and_says_where_the_others_went():
+    """``dpzero_jax.nn`` keeps only the layers whose behaviour is DP-specific (RMM, LoRA); the layers front-end's
+    dense, embedding and norm classes live in ``dpzero_jax.layers``, and asking ``dz.nn`` for one names its new home
+    and the standard layer to use instead."""
+    assert sorted(dz.nn.__all__) == ["LoRA", "RMMDense"]
+    assert dz.nn.RMMDense is dz.rmm.RMMDense and dz.nn.LoRA is dz.peft.LoRA
+    for name in ("Linear", "DenseGeneral", "Embed", "LayerNorm", "RMSNorm", "PatchEmbed"):
+        assert isinstance(getattr(dz.layers, name), type)
+        with pytest.raises(AttributeError, match=rf"dpzero_jax\.nn\.{name} moved to dpzero_jax\.layers\.{name}.*"
+                                                 r"standard Flax layers"):
+            getattr(dz.nn, name)
+    with pytest.raises(AttributeError, match="no attribute 'Conv'"):
+        _ = dz.nn.Conv

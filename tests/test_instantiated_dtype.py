@@ -147,7 +147,7 @@ def test_training_option():
 
 def test_layer_front_end_ghost_keeps_none_so_the_option_changes_nothing():
     """The layer front-end's ghost keeps no per-example gradient: with ``instantiated_dtype="bfloat16"`` its clipped
-    sum is bit for bit the float32 run's (a tied GPT-2 from ``dz.nn`` layers)."""
+    sum is bit for bit the float32 run's (a tied GPT-2 from ``dz.layers`` layers)."""
     setup = gpt2(dz_nn=True)
     out = {}
     for dtype in ("float32", "bfloat16"):

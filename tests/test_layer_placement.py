@@ -20,12 +20,12 @@ WIDTH, CLASSES = 6, 3
 
 
 class Placed(nnx.Module):
-    """Two dz.nn layers; the first applied as ``how`` says to ``x [B, T, WIDTH]``."""
+    """Two dz.layers layers; the first applied as ``how`` says to ``x [B, T, WIDTH]``."""
 
     def __init__(self, how: str, rngs: nnx.Rngs):
         self.how = how
-        self.inner = dz.nn.Linear(WIDTH, WIDTH, rngs=rngs)
-        self.head = dz.nn.Linear(WIDTH, CLASSES, rngs=rngs)
+        self.inner = dz.layers.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.head = dz.layers.Linear(WIDTH, CLASSES, rngs=rngs)
 
     def __call__(self, x):
         if self.how == "time-major":       # the layer on [T, B, d]

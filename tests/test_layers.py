@@ -67,8 +67,8 @@ class Tied(nnx.Module):
     """Embed tokens, a nonlinearity, then logits against the same table (the tied LM head)."""
 
     def __init__(self, vocab, features, *, head_bias=False, rngs):
-        self.embed = dz.nn.Embed(vocab, features, rngs=rngs)
-        self.norm = dz.nn.LayerNorm(features)
+        self.embed = dz.layers.Embed(vocab, features, rngs=rngs)
+        self.norm = dz.layers.LayerNorm(features)
         self.head_bias = nnx.Param(jnp.zeros((vocab,))) if head_bias else None
 
     def __call__(self, ids):
@@ -93,7 +93,7 @@ class Reused(nnx.Module):
     """One Linear applied twice (weight sharing by reuse): both its kernel and bias are used by two calls."""
 
     def __init__(self, d, *, rngs):
-        self.lin = dz.nn.Linear(d, d, rngs=rngs)
+        self.lin = dz.layers.Linear(d, d, rngs=rngs)
 
     def __call__(self, x):
         return self.lin(jnp.tanh(self.lin(x)))
@@ -104,11 +104,11 @@ class PartlyFrozen(nnx.Module):
     whose output is discarded (zero gradient)."""
 
     def __init__(self, *, rngs):
-        self.first = dz.nn.Linear(4, 3, rngs=rngs)
-        self.discarded = dz.nn.Linear(4, 3, rngs=rngs)
+        self.first = dz.layers.Linear(4, 3, rngs=rngs)
+        self.discarded = dz.layers.Linear(4, 3, rngs=rngs)
         self.frozen_kernel = nnx.Variable(jnp.zeros((3, 3)))
         self.bias = nnx.Param(jnp.zeros((3,)))
-        self.ln = dz.nn.LayerNorm(3)
+        self.ln = dz.layers.LayerNorm(3)
 
     def __call__(self, x):
         h = jnp.tanh(self.first(x))
@@ -120,13 +120,13 @@ class Stack(nnx.Module):
     """Token + positional embeddings, RMSNorm, DenseGeneral to heads and back, LayerNorm, Linear."""
 
     def __init__(self, *, rngs):
-        self.tok = dz.nn.Embed(11, 8, rngs=rngs)
-        self.pos = dz.nn.Embed(6, 8, rngs=rngs)
-        self.rms = dz.nn.RMSNorm(8)
-        self.up = dz.nn.DenseGeneral((8,), (2, 4), rngs=rngs)
-        self.down = dz.nn.DenseGeneral((2, 4), (8,), use_bias=False, rngs=rngs)
-        self.ln = dz.nn.LayerNorm(8)
-        self.out = dz.nn.Linear(8, 3, rngs=rngs)
+        self.tok = dz.layers.Embed(11, 8, rngs=rngs)
+        self.pos = dz.layers.Embed(6, 8, rngs=rngs)
+        self.rms = dz.layers.RMSNorm(8)
+        self.up = dz.layers.DenseGeneral((8,), (2, 4), rngs=rngs)
+        self.down = dz.layers.DenseGeneral((2, 4), (8,), use_bias=False, rngs=rngs)
+        self.ln = dz.layers.LayerNorm(8)
+        self.out = dz.layers.Linear(8, 3, rngs=rngs)
 
     def __call__(self, ids):
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
@@ -148,7 +148,7 @@ def positional(module, batch):
 
 def _cases():
     rngs = lambda: nnx.Rngs(0)  # noqa: E731
-    nn = dz.nn
+    nn = dz.layers
     return {
         "linear-2d-bias": (lambda: nn.Linear(6, 5, rngs=rngs()), on("x"), {"x": normal(1, (B, 6))}),
         "linear-3d-nobias": (lambda: nn.Linear(6, 5, use_bias=False, rngs=rngs()), on("x"),
@@ -222,12 +222,12 @@ def test_layer_private_grads(name, mode):
 
 
 def test_layers_outside_the_engine_are_plain_layers():
-    lin = randomize(abstract(lambda: dz.nn.Linear(6, 5, rngs=nnx.Rngs(0))), 1)
-    dg = randomize(abstract(lambda: dz.nn.DenseGeneral((2, 3), (4, 5), rngs=nnx.Rngs(0))), 2)
-    emb = randomize(abstract(lambda: dz.nn.Embed(7, 6, rngs=nnx.Rngs(0))), 3)
-    ln = randomize(abstract(lambda: dz.nn.LayerNorm(6)), 4)
-    rms = randomize(abstract(lambda: dz.nn.RMSNorm(6)), 5)
-    pe = randomize(abstract(lambda: dz.nn.PatchEmbed(2, 3, 5, rngs=nnx.Rngs(0))), 6)
+    lin = randomize(abstract(lambda: dz.layers.Linear(6, 5, rngs=nnx.Rngs(0))), 1)
+    dg = randomize(abstract(lambda: dz.layers.DenseGeneral((2, 3), (4, 5), rngs=nnx.Rngs(0))), 2)
+    emb = randomize(abstract(lambda: dz.layers.Embed(7, 6, rngs=nnx.Rngs(0))), 3)
+    ln = randomize(abstract(lambda: dz.layers.LayerNorm(6)), 4)
+    rms = randomize(abstract(lambda: dz.layers.RMSNorm(6)), 5)
+    pe = randomize(abstract(lambda: dz.layers.PatchEmbed(2, 3, 5, rngs=nnx.Rngs(0))), 6)
     x, x2, image = normal(1, (B, 4, 6)), normal(2, (B, 3, 2, 3)), normal(6, (B, 4, 4, 3))
     ids = token_ids(3, (B, 4), 7)
 
@@ -328,7 +328,7 @@ BRANCH_CASES = {
 @pytest.mark.parametrize("case", list(BRANCH_CASES))
 def test_mixed_rule_branches(case, monkeypatch):
     d_in, d_out, positions, branch = BRANCH_CASES[case]
-    setup = layer_setup(case, abstract(lambda: dz.nn.Linear(d_in, d_out, rngs=nnx.Rngs(0))), on("x"),
+    setup = layer_setup(case, abstract(lambda: dz.layers.Linear(d_in, d_out, rngs=nnx.Rngs(0))), on("x"),
                         {"x": normal(20, (B, positions, d_in))})
     expected = setup.group_norms("all-layer")[:, 0]
     kernel_norms = np.sqrt(np.sum(np.square(setup.grads["kernel"]).reshape(B, -1), axis=1))

@@ -39,7 +39,7 @@ def test_mlp_matrix(mode, clip_fn, groups, extra):
 
 # Transformers: every mode, clip function and group preset at least once per architecture family, plus the
 # norm methods (all exact; they only change how weight norms are computed). GPT-2 on both front ends: the bundled
-# model (Flax layers, the program front-end) and the same model from dz.nn layers (the layers front-end).
+# model (Flax layers, the program front-end) and the same model from dz.layers layers (the layers front-end).
 TRANSFORMER_CASES = [
     # model, mode, clip_fn, groups, extra config
     ("gpt2-tied", "bk", "abadi", "all-layer", {}),

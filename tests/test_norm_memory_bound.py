@@ -97,11 +97,11 @@ def test_auto_on_a_tpu_target_applies_the_bound(dense):
 
 
 class _LayersDense(nnx.Module):
-    """The same model from ``dz.nn`` layers (the layers front-end)."""
+    """The same model from ``dz.layers`` layers (the layers front-end)."""
 
     def __init__(self, *, rngs: nnx.Rngs):
-        self.w = dz.nn.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
-        self.head = dz.nn.Linear(WIDTH, 3, use_bias=False, rngs=rngs)
+        self.w = dz.layers.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+        self.head = dz.layers.Linear(WIDTH, 3, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
         return self.head(jnp.tanh(self.w(x)).mean(1))

@@ -150,7 +150,7 @@ def test_frozen_weights_are_not_parameters(method):
     paths = set(ref.paths(setup.params))
     assert paths == set(setup.grads)
     report = dz.explain_plan(setup.loss_fn, dz.DPConfig(mode="bk"), setup.params, setup.batch)
-    # LoRA's adapters are dpzero_jax.nn layers (planned from their calls), the ViT's own layers Flax's
+    # LoRA's adapters are dpzero_jax.layers layers (planned from their calls), the ViT's own layers Flax's
     assert report.front_end == ("layers" if method == "lora" else "program")
     assert {row["path"] for row in report.rows} == paths
     assert all(row["rule"] not in ("fallback", "unused") for row in report.rows), report.table()
@@ -190,7 +190,7 @@ def test_lora_zero_init_is_the_base_model(name):
     lora = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(adapted) if isinstance(m, dz.peft.LoRA)}
     assert lora, name
     for path, module in lora.items():
-        in_shape, out_shape = dz.nn.dense_shapes(module.base)
+        in_shape, out_shape = dz.layers.dense_shapes(module.base)
         a, b = np.asarray(module.lora_a.kernel[...]), np.asarray(module.lora_b.kernel[...])
         assert a.shape == in_shape + (RANK,) and b.shape == (RANK,) + out_shape, path
         assert np.all(b == 0) and np.std(a) > 0, path
@@ -234,8 +234,8 @@ class WideInput(nnx.Module):
     width that nothing else has, and that ordinary backpropagation (to the probes) never needs."""
 
     def __init__(self, *, rngs):
-        self.dense = dz.nn.Linear(40, 6, rngs=rngs)
-        self.ln = dz.nn.LayerNorm(6)
+        self.dense = dz.layers.Linear(40, 6, rngs=rngs)
+        self.ln = dz.layers.LayerNorm(6)
 
     def __call__(self, x):
         return jnp.mean(self.ln(self.dense(jnp.exp(x))), axis=1)   # [B, 6] logits
@@ -299,7 +299,7 @@ def _abstract_gpt2(tied: bool):
 
 class NoBias(nnx.Module):
     def __init__(self, *, rngs):
-        self.dense = dz.nn.Linear(4, 3, use_bias=False, rngs=rngs)
+        self.dense = dz.layers.Linear(4, 3, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
         return self.dense(x)
@@ -357,9 +357,9 @@ class WideThenWide(nnx.Module):
     input of the first layer would be a third."""
 
     def __init__(self, *, rngs):
-        self.dense = dz.nn.Linear(256, 8, rngs=rngs)
-        self.up = dz.nn.Linear(8, 256, rngs=rngs)
-        self.head = dz.nn.Linear(256, 4, rngs=rngs)
+        self.dense = dz.layers.Linear(256, 8, rngs=rngs)
+        self.up = dz.layers.Linear(8, 256, rngs=rngs)
+        self.head = dz.layers.Linear(256, 4, rngs=rngs)
 
     def __call__(self, x):
         return jnp.mean(self.head(jnp.tanh(self.up(self.dense(jnp.exp(x))))), axis=1)

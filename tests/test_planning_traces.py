@@ -68,8 +68,8 @@ def test_a_loss_that_is_not_per_example_is_refused_by_the_single_example_trace()
 
 class _Net(nnx.Module):
     def __init__(self, rngs):
-        self.inner = dz.nn.Linear(D, D, rngs=rngs)
-        self.head = dz.nn.Linear(D, K, rngs=rngs)
+        self.inner = dz.layers.Linear(D, D, rngs=rngs)
+        self.head = dz.layers.Linear(D, K, rngs=rngs)
 
     def __call__(self, x):
         return self.head(jnp.tanh(self.inner(x)))

@@ -447,18 +447,18 @@ def test_ghost_and_fused_time_rule_counts_the_instantiation_they_do_not_reuse():
 
 
 class _DPLayersDense(nnx.Module):
-    """``tanh(x @ w).mean(T) @ head`` from ``dz.nn`` layers (the layers front-end)."""
+    """``tanh(x @ w).mean(T) @ head`` from ``dz.layers`` layers (the layers front-end)."""
 
     def __init__(self, width: int, *, rngs: nnx.Rngs):
-        self.w = dz.nn.Linear(width, width, use_bias=False, rngs=rngs)
-        self.head = dz.nn.Linear(width, 3, use_bias=False, rngs=rngs)
+        self.w = dz.layers.Linear(width, width, use_bias=False, rngs=rngs)
+        self.head = dz.layers.Linear(width, 3, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
         return self.head(jnp.tanh(self.w(x)).mean(1))
 
 
 def test_fastest_rule_in_explain_on_the_layers_front_end():
-    """The same ``[128, 128]`` weight at T 64 in a ``dz.nn.Linear``: ``explain_plan`` reports ghost under the space
+    """The same ``[128, 128]`` weight at T 64 in a ``dz.layers.Linear``: ``explain_plan`` reports ghost under the space
     rule and instantiation under the FLOP rule (the hand counts of the test above), and its per-example bytes; the
     layers front-end's book-keeping is exact under both. Its ghost and fused taps take the FLOP rule without reuse
     (the ghost norm here), as the program front-end's do."""

@@ -1,6 +1,6 @@
 """ZeRO-3 layer-by-layer gathering (``strategy="explicit"``) on the traced program, the steps around the private
 sums: the non-private mean gradient and the forward of the flax.linen decoder of ``zero3_linen.py``, of the bundled
-GPT-2 with scanned ``dz.nn`` layers, and the trainer on the bundled CNN, on 8 virtual devices.
+GPT-2 with scanned ``dz.layers`` layers, and the trainer on the bundled CNN, on 8 virtual devices.
 
 References are independent of the engine: ``jax.grad`` of the mean loss, the model's own forward, the same training
 run on one device."""
@@ -80,7 +80,7 @@ def test_trainer_explicit_strategy_on_standard_flax_layers(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_non_private_gradient_of_scanned_dpzero_layers_on_shards(dtype):
-    """The bundled GPT-2 with ``scan_layers`` (``dz.nn`` layers inside ``lax.scan``: the traced-program front-end)
+    """The bundled GPT-2 with ``scan_layers`` (``dz.layers`` layers inside ``lax.scan``: the traced-program front-end)
     under the explicit strategy's non-private step: ``jax.grad`` of the mean loss. (Differentiating the gathers'
     data dependency inside a linearised scan failed before it got its own derivative; with bf16 compute, a bias
     cast to bf16 and then broadcast inside the scan was gathered in float32 before the cast was carried along the

@@ -174,7 +174,7 @@ class Chain(nnx.Module):
 
     def __init__(self, config: RMMConfig | None, *, rngs: nnx.Rngs):
         def layer():
-            return rmm.RMMDense.create(128, 128, config, rngs=rngs) if config else dz.nn.Linear(128, 128, rngs=rngs)
+            return rmm.RMMDense.create(128, 128, config, rngs=rngs) if config else dz.layers.Linear(128, 128, rngs=rngs)
 
         self.layers = nnx.List([layer() for _ in range(6)])
 
@@ -452,11 +452,11 @@ def test_convert_to_rmm_keeps_parameters_and_outputs():
 
 
 def test_convert_to_rmm_keeps_multi_axis_projections():
-    """Dense layers contracting two axes (an attention output over ``[H, Dh]``): ``dz.nn.DenseGeneral`` and
+    """Dense layers contracting two axes (an attention output over ``[H, Dh]``): ``dz.layers.DenseGeneral`` and
     ``nnx.LinearGeneral`` convert with ``n_in == 2`` and the same outputs."""
     class HeadsOut(nnx.Module):
         def __init__(self, rngs):
-            self.ours = dz.nn.DenseGeneral((2, 4), (8,), rngs=rngs)
+            self.ours = dz.layers.DenseGeneral((2, 4), (8,), rngs=rngs)
             self.flax = nnx.LinearGeneral((2, 4), (8,), axis=(-2, -1), rngs=rngs)
 
         def __call__(self, x):                  # [B, T, 2, 4] -> [B, T, 8]

@@ -8,7 +8,8 @@ import pytest
 import reference as ref
 from flax import nnx
 
-from dpzero_jax import nn, rmm
+from dpzero_jax import layers as nn
+from dpzero_jax import rmm
 from dpzero_jax import rmm_diagnostics as rd
 from dpzero_jax.sketch import RMMConfig
 

@@ -97,7 +97,7 @@ def test_rmm_options_the_trainer_refuses_or_warns_about(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["train", "--rmm", "dct", flag, value])
         assert exit_info.value.code == 2 and flag in capsys.readouterr().err
-    nothing = r"no dense layer \(dpzero_jax.nn.Linear / DenseGeneral, nnx.Linear / LinearGeneral\) besides the head"
+    nothing = r"no dense layer \(dpzero_jax.layers.Linear / DenseGeneral, nnx.Linear / LinearGeneral\) besides the head"
     with pytest.raises(ValueError, match=nothing):
         Trainer(TrainConfig(out=str(tmp_path), rmm="dct", peft="bitfit", steps=2, **TRAIN))
     with pytest.warns(UserWarning, match="the MLP's dense layers see one per example"):

@@ -112,14 +112,14 @@ def test_sharded_sums_are_added_over_devices_in_float32(mode, strategy):
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_layers_front_end_sum_is_exact_in_bf16(mode):
-    """``dpzero_jax.nn`` layers on bfloat16 activations (``front_end="layers"``): the coefficient-scaled output
+    """``dpzero_jax.layers`` layers on bfloat16 activations (``front_end="layers"``): the coefficient-scaled output
     gradients enter the contraction in float32 (before: rounded to bfloat16 first, 1.0002x the threshold here)."""
     from flax import nnx
 
     class _MLP(nnx.Module):
         def __init__(self, rngs):
-            self.hidden = dz.nn.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
-            self.out = dz.nn.Linear(4 * WIDTH, 10, rngs=rngs)
+            self.hidden = dz.layers.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
+            self.out = dz.layers.Linear(4 * WIDTH, 10, rngs=rngs)
 
         def __call__(self, x):
             return self.out(jax.nn.relu(self.hidden(x.astype(BF16))))

@@ -1,5 +1,5 @@
 """The bundled models and per-example objectives: GPT-2, the MLP, CNN, ViT, the encoder classifier, BERT / RoBERTa
-and the Llama family, all from standard Flax NNX layers (GPT-2 also from ``dz.nn`` layers: ``layers=DP_LAYERS``).
+and the Llama family, all from standard Flax NNX layers (GPT-2 also from ``dz.layers`` layers: ``layers=DP_LAYERS``).
 
 ``from_pretrained(path)`` loads a Hugging Face checkpoint directory as the matching model (GPT-2, Llama / Mistral /
 Qwen2 / Gemma, BERT / RoBERTa, ViT); each of those models also has ``from_pretrained`` and ``save_pretrained``.

@@ -1,6 +1,6 @@
 """A small convolutional classifier from standard Flax NNX layers (``nnx.Conv``, ``nnx.GroupNorm``, ``nnx.Linear``).
 
-Unlike the other bundled models it uses no :mod:`dpzero_jax.nn` layer: it is an example of a model a user brings as
+Unlike the other bundled models it uses no :mod:`dpzero_jax.layers` layer: it is an example of a model a user brings as
 is: ``"bk"``, ``"ghost"`` and ``"auto"`` compute it through the program front-end (:mod:`dpzero_jax.program`), and
 ``"vmap"`` (per-example gradients) accepts it like any model. GroupNorm normalises each example on its own, so
 per-example gradients stay per-example (BatchNorm would mix the examples of a batch and is not DP-compatible as such).

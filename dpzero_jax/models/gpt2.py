@@ -59,7 +59,7 @@ class GPT2(nnx.Module):
     it was built with, and every later layer promotes to it): pass ``dtype`` to compute in 16 bits.
     ``layers``: the layer classes (:data:`~dpzero_jax.models.transformer.FLAX_LAYERS`, Flax's own: the traced-program
     front-end plans the private gradient, as for a user's model; ``DP_LAYERS``: the same computation and parameters
-    from ``dz.nn`` layers, planned from the layers' calls).
+    from ``dz.layers`` layers, planned from the layers' calls).
     ``from_pretrained(path)`` loads a Hugging Face GPT-2 checkpoint directory, ``save_pretrained(path)`` writes one.
     """
 

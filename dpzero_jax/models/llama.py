@@ -8,7 +8,7 @@ sliding-window layers (a per-layer flag scanned with the weights, selecting a ba
 ``query_pre_attn_scalar`` (soft-capped scores: attention written out, since ``dot_product_attention`` has no cap).
 The layers are stacked on a leading ``[num_hidden_layers]`` axis and applied with one ``lax.scan`` by default
 (``scan_layers``). Built on ``nnx.Linear`` / ``nnx.Embed`` / ``nnx.RMSNorm`` rather than on
-:mod:`dpzero_jax.nn`: its private gradients come from the traced-program front-end, like any model a user brings.
+:mod:`dpzero_jax.layers`: its private gradients come from the traced-program front-end, like any model a user brings.
 
 Parameter names follow the Hugging Face module names (``layers/self_attn/q_proj/kernel``, ``layers/mlp/gate_proj``,
 ...), so that LoRA targets read the same as in ``peft``: ``q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj``.

@@ -2,7 +2,7 @@
 
 Every bundled model builds it from Flax's own layers (:data:`FLAX_LAYERS`: ``nnx.Linear``, ``nnx.LayerNorm``,
 ``nnx.Embed``), as a user writes a model; the engine plans them from the traced program. :data:`DP_LAYERS` builds the
-same computation from :mod:`dpzero_jax.nn`, planned from the layers' own calls (the layers front-end:
+same computation from :mod:`dpzero_jax.layers`, planned from the layers' own calls (the layers front-end:
 ``GPT2(..., layers=DP_LAYERS)``, the comparison of ``experiments/bench_front_ends.py``).
 """
 
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpzero_jax import nn
+from dpzero_jax import layers
 
 
 def _flax_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
@@ -31,16 +31,16 @@ def _flax_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rn
     return nnx.Embed(count, features, embedding_init=nnx.initializers.normal(stddev), dtype=dtype, rngs=rngs)
 
 
-def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> nn.Linear:
-    return nn.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs)       # computes in its input's dtype
+def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> layers.Linear:
+    return layers.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs)       # computes in its input's dtype
 
 
-def _dp_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nn.LayerNorm:
-    return nn.LayerNorm(features, eps=eps)
+def _dp_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> layers.LayerNorm:
+    return layers.LayerNorm(features, eps=eps)
 
 
-def _dp_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rngs) -> nn.Embed:
-    return nn.Embed(count, features, stddev=stddev, rngs=rngs)          # looks up the stored dtype
+def _dp_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rngs) -> layers.Embed:
+    return layers.Embed(count, features, stddev=stddev, rngs=rngs)          # looks up the stored dtype
 
 
 @dataclasses.dataclass(frozen=True)
