@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpzero_jax import layers
+from dpzero_jax import layers as dp_layers
 
 
 def _flax_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
@@ -31,16 +31,17 @@ def _flax_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rn
     return nnx.Embed(count, features, embedding_init=nnx.initializers.normal(stddev), dtype=dtype, rngs=rngs)
 
 
-def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> layers.Linear:
-    return layers.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs)       # computes in its input's dtype
+def _dp_linear(in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs,
+               use_bias: bool = True) -> dp_layers.Linear:
+    return dp_layers.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs)   # computes in its input's dtype
 
 
-def _dp_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> layers.LayerNorm:
-    return layers.LayerNorm(features, eps=eps)
+def _dp_norm(features: int, *, eps: float, dtype, rngs: nnx.Rngs) -> dp_layers.LayerNorm:
+    return dp_layers.LayerNorm(features, eps=eps)
 
 
-def _dp_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rngs) -> layers.Embed:
-    return layers.Embed(count, features, stddev=stddev, rngs=rngs)          # looks up the stored dtype
+def _dp_embed(count: int, features: int, *, stddev: float, dtype, rngs: nnx.Rngs) -> dp_layers.Embed:
+    return dp_layers.Embed(count, features, stddev=stddev, rngs=rngs)          # looks up the stored dtype
 
 
 @dataclasses.dataclass(frozen=True)
