@@ -351,8 +351,7 @@ def scaled_rows(value: Array, coef: Array, example_axis: int) -> Array:
     zero -- where ``coef_i == 0``: one fused loop, whose reduction over the examples XLA:CPU hands to its library."""
     value = _f32(value)
     scaled = value * jax.lax.broadcast_in_dim(coef.astype(jnp.float32), value.shape, (example_axis,))
-    return jax.lax.select(jax.lax.broadcast_in_dim(coef != 0, value.shape, (example_axis,)), scaled,
-                          jnp.zeros_like(scaled))
+    return zero_inactive(scaled, coef != 0, example_axis)
 
 
 def weighted_rows_at(value: Array, coef: Array, example_axis: int) -> Array:

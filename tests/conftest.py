@@ -24,9 +24,11 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"] and importlib.util.find_spec("libtpu") is None:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-if "--xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += (" --xla_cpu_collective_call_terminate_timeout_seconds=600"
-                                " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120")
+
+# XLA reads XLA_FLAGS when its backend starts, not at import: importing the library here is early enough
+from dpzero_jax.train_setup import relax_cpu_collective_timeouts  # noqa: E402
+
+relax_cpu_collective_timeouts()   # the same 600 s / 120 s that `dpzero train --mesh` sets on a CPU
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
