@@ -19,11 +19,10 @@
   step with the models' block remat -- the scan's saved block inputs and stacked block gradients, plus the largest
   of one block's backward (gathered weights, their gradient, attention probabilities, activations), the LM head
   (gathered table, logits) and, for a ``d``-sharded table with a data axis, its whole gradients; with the DP
-  step's extra buffers (its gradient shard; a tied table's per-example gradients and clipped sum where ghost
-  book-keeps it). For the non-private steps within 10% of the TPU compiler's bytes for GPT-2 XL and Llama-2-7B on
-  256 chips, not for GPT-J-6B (0.79), 0.72-1.16 on other shapes; the DP steps reduce their gradients in float32
-  (the privatized sum is never rounded to half precision), which these formulas do not count: 0.59-1.27
-  (``docs/planner.md``).
+  step's extra buffers (its float32 clipped sums -- the privatized sum is never rounded to half precision -- stacked,
+  a block's unsharded and the LM head's; a tied table's per-example gradients where ghost book-keeps it). For the
+  non-private steps within 10% of the TPU compiler's bytes for GPT-2 XL and Llama-2-7B on 256 chips, not for
+  GPT-J-6B (0.79), 0.72-1.16 on other shapes; for the DP steps 0.75-1.29 (``docs/planner.md``).
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,
   Appendix A): ``min(2 T^2, rows * cols)`` fp32 numbers per example -- the two ``T x T`` Grams ``A A^T`` and
   ``G G^T`` of the ghost norm, or the instantiated ``rows x cols`` per-example gradient -- with ``T`` the positions

@@ -34,9 +34,11 @@ ZeRO partition (the mesh's ``fsdp`` axis):
 The DP step (``private_value_and_grad``, ghost clipping in two passes under remat, ``norm_method`` the TPU's time
 rule) adds, measured the same way:
 
-* in the **block backward** of its second pass, the clipped-and-noised fp32 gradient shard, ``4 ceil(Psi / F)``
-  (it is not live while the LM head's buffers are: GPT-2 XL's three DP steps exceed their non-private steps by the
-  table buffers below alone);
+* its clipped sums in float32 (:func:`dp_float32_sums`; the privatized sum is never rounded to half precision,
+  ``docs/privacy.md``): **always** the stacked per-block sums ``4 ceil(L p_l / F)``; in the **block backward** a
+  block's sum unsharded, ``4 p_l`` where the non-private step holds ``c p_l``, and the LM head's sum held to the
+  update, ``4 V d`` (``/ F`` for a vocabulary-sharded table); in the **LM head**, an untied head's sum formed whole,
+  ``4 V d``;
 * in the **LM head**, for a tied table (a lookup and the head: two sites of one leaf) that ghost book-keeps (where
   :func:`tied_table_weighted` says summing it by the second pullback's weight path would hold more): its
   per-example gradients, instantiated in fp32 (``btr,btc->brc``) with the lookup's rows scattered in, and its
@@ -50,7 +52,7 @@ The ghost norms' ``T x T`` Grams of one weight at a time are small next to these
 
 With LoRA (``lora_rank``; the base frozen, the adapters of :func:`~dpzero_jax.decoder_shapes.lora_weights`
 trained) the same buffers, but a block's backward forms only its adapters' gradient, ``p_a`` a block (the stacked
-and unsharded gradients, the DP step's gradient shard ``4 ceil(Psi_a / F)``), its gathered weights are the base
+and unsharded gradients, the DP step's float32 sums), its gathered weights are the base
 block's and the adapters, ``c (p_l + p_a)``, and the frozen table has no gradient phase and no DP buffer.
 
 The multiplicities (two gathered copies, two logits copies, ...) are the buffers counted in the compiled programs
@@ -173,13 +175,45 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     terms.append(Term("lookup + head table gradients, whole, compute precision", "table gradient",
                       2 * c * v * d if d_sharded and replicas > 1 and not lora_rank else 0,
                       "2 c V d (d-sharded trained table, data axis > 1)"))
-    terms.append(Term("DP: clipped + noised gradient shard", "block backward", 4 * -(-n_params // shards),
-                      "4 ceil(Psi_a / F)" if lora_rank else "4 ceil(Psi / F)"))
+    terms += dp_float32_sums(config, shards, c, p_g, g, trained_head=not lora_rank)
     booked = config.tied and not lora_rank and not tied_table_weighted(config, b, t, c)
     terms.append(Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head",
                       4 * (b + 1) * table_share if booked else 0,
                       "4 (b + 1) V d (tied and book-kept; / F when the table is vocabulary-sharded)"))
     return tuple(terms)
+
+
+def dp_float32_sums(config: DecoderConfig, shards: int, c: int, p_g: int, g: str,
+                    trained_head: bool) -> list[Term]:
+    """The DP step's clipped sums, float32 on every device and across devices (never rounded before the noise,
+    ``docs/privacy.md``), where the non-private step's gradients are at the compute precision ``c``:
+
+    * the scan's stacked per-block sums, sharded, ``4 ceil(L p_g / F)``, throughout (beside the compute-precision
+      stack the model keeps);
+    * in a block's backward, its sum unsharded before the reduction: ``4 p_g`` where the non-private step holds
+      ``c p_g``, so ``(4 - c) p_g`` more;
+    * a trained LM head's sum, formed when the backward starts and held until the update, through every block's
+      backward: whole, ``4 V d``, for a table sharded along ``d``, else ``4 ceil(V d / F)``; and, for an untied
+      head, formed whole in the LM head's phase, ``4 V d`` (a tied table summed by its weight path adds nothing
+      there; a book-kept one has its own term).
+
+    Read from the TPU compiler's live ranges at the DP step's peak (``--xla_dump_to``, ``*live-range.txt``: GPT-J-6B's
+    shape, 14 layers on 64 v5e chips: the head's ``f32[4096, 50400]``, one block's fp32 gradients at their all-reduce
+    and the stacked ``f32[14, ...]`` shards) and from the large-vocabulary presets' DP - non-DP differences (Qwen2-7B
+    +2.07 GiB, ``4 V d`` = 2.03)."""
+    v, d, layers = config.vocab, config.d_model, config.n_layer
+    held = 4 * v * d if table_sharded_along_d(config, shards) else 4 * -(-v * d // shards)
+    formed = trained_head and not config.tied
+    return [
+        Term("DP: stacked block clipped sums, fp32", "always", 4 * -(-layers * p_g // shards),
+             f"4 ceil(L {g} / F)"),
+        Term("DP: block clipped sum, unsharded, fp32 (over its c bytes)", "block backward", (4 - c) * p_g,
+             f"(4 - c) {g}"),
+        Term("DP: LM head's clipped sum, fp32, held to the update", "block backward", held if trained_head else 0,
+             "4 V d (d-sharded; else 4 ceil(V d / F))"),
+        Term("DP: LM head's clipped sum, fp32, formed (untied head)", "LM head", 4 * v * d if formed else 0,
+             "4 V d"),
+    ]
 
 
 def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:

@@ -8,6 +8,9 @@ them), printed as a table and written as JSON. Needs libtpu (the ``tpu-aot`` ext
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 /work/venv-tpu/bin/python \\
         experiments/planner_presets_tpu.py [--models mistral-7b,gemma-7b] [--seq 2048]
 
+``--cached`` compiles nothing (no libtpu needed): it prints the recorded compiled figures of ``--out`` against
+today's planner (the planner columns recomputed; the JSON is left as it is).
+
 A preset is compiled as the project's Llama with the preset's sizes (Gemma's embedding scaling and soft-caps are not
 in a preset: ``docs/planner.md``).
 """
@@ -33,15 +36,40 @@ def main(argv=None) -> dict:
     parser.add_argument("--chips", type=int, default=256, help="the topology's chip count (default 256)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--cached", action="store_true", help="compile nothing: the recorded compiles of --out "
+                                                                  "against today's planner")
     args = parser.parse_args(argv)
+    if args.cached:
+        with open(args.out) as f:
+            recorded = json.load(f)
+        rows = []
+        for row in recorded["rows"]:
+            plan = planner.plan_memory(row["model"], row["devices"], row["devices"], recorded["seq"], "bf16", 3,
+                                       remat="block")
+            rows.append(_row(row["model"], row, plan.total if row["private"] else plan.total_non_dp))
+        _print(rows)
+        return recorded
     rows = []
     for model in args.models.split(","):
         plan = planner.plan_memory(model, args.chips, args.chips, args.seq, "bf16", 3, remat="block")
         for compiled in planner.compile_plan(model, plan, args.topology):
-            planned = plan.total if compiled.private else plan.total_non_dp
-            rows.append({"model": model, **compiled.to_dict(), "planned_bytes": planned,
-                         "planned_over_compiled": planned / compiled.total_bytes if compiled.total_bytes else None,
-                         "planned_over_peak": planned / compiled.peak_bytes if compiled.peak_bytes else None})
+            rows.append(_row(model, compiled.to_dict(), plan.total if compiled.private else plan.total_non_dp))
+    _print(rows)
+    result = {"topology": args.topology, "seq": args.seq, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def _row(model: str, compiled: dict, planned: int) -> dict:
+    """One table row: the compiled figures (``CompiledMemory.to_dict()``) and the planner's total against them."""
+    total, peak = compiled["total_bytes"], compiled["peak_bytes"]
+    return {**compiled, "model": model, "planned_bytes": planned,
+            "planned_over_compiled": planned / total if total else None,
+            "planned_over_peak": planned / peak if peak else None}
+
+
+def _print(rows: list[dict]) -> None:
     print("| model | step | compiled GiB (total per chip) | peak GiB | planner GiB | planner / compiled | "
           "planner / peak | fits |")
     print("|---|---|---|---|---|---|---|---|")
@@ -52,10 +80,6 @@ def main(argv=None) -> dict:
         over_peak = "-" if r["planned_over_peak"] is None else f"{r['planned_over_peak']:.2f}"
         print(f"| {r['model']} | {'dp' if r['private'] else 'nonprivate'} | {total} | {peak} "
               f"| {r['planned_bytes'] / GiB:.3f} | {ratio} | {over_peak} | {r['fits']} |")
-    result = {"topology": args.topology, "seq": args.seq, "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
 
 
 if __name__ == "__main__":

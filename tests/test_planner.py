@@ -299,9 +299,11 @@ def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
     the logits ``2 x 2 x 1024 V``. Table gradient: the lookup's and the head's whole bf16 gradients ``2 x 2 V d``. The
     DP step sums the tied table by its weight path (the memory rule of ``ghost.weighted``: the scaled head gradients,
     ``1024 (V + d) x 2`` bytes, against the book-kept fp32 gradient and clipped sum, ``2 x 4 V d``), which adds
-    nothing to the LM head's phase; its clipped and noised gradient shard ``4 Psi / 64`` sits in the (smaller) block
-    backward, so the DP step needs no more than the non-private one. GPT-2 small at 8 sequences per chip (T 1024)
-    book-keeps its table: ``4 (8 + 1) V d`` in the LM head."""
+    nothing to the LM head's phase. Its sums are float32: the stacked block sums ``4 x 48 p_l / 64`` throughout, and
+    in a block's backward the unsharded block sum (``4 p_l``, ``2 p_l`` over the non-private bf16 gradient) and the
+    table's sum held whole to the update, ``4 V d``; that phase then exceeds the LM head's. Untied, the head's sum
+    is also formed whole in the LM head's phase (``4 V d``), which becomes the largest. GPT-2 small at 8 sequences
+    per chip (T 1024) book-keeps its table: ``4 (8 + 1) V d`` in the LM head."""
     v, d, t = 50257, 1600, 1024
     plan = planner.plan_memory("gpt2-xl", 256, 256, t, "bf16", 3, remat="block", shards=64)
     p_l = 12 * d**2 + 13 * d
@@ -310,12 +312,19 @@ def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
     assert plan.activations == always + head
     totals = {term.name: term.bytes for term in plan.temporaries}
     assert totals["lookup + head table gradients, whole, compute precision"] == 2 * 2 * v * d < head
-    assert step_memory.tied_table_weighted(plan.model, 1, t, 2) and plan.dp_extra == 0
-    block = sum(term.bytes for term in plan.temporaries if term.phase == "block backward")
-    assert block < head and totals["DP: clipped + noised gradient shard"] == 4 * -(-plan.n_params // 64)
+    assert step_memory.tied_table_weighted(plan.model, 1, t, 2)
+    block = 2 * 2 * p_l + 25 * 1024**2 * 3 * 2 + 1024 * 2 * (8 * d + 2 * 4 * d)
+    assert sum(term.bytes for term in step_memory.non_private(plan.temporaries)
+               if term.phase == "block backward") == block < head
+    stacked = 4 * -(-48 * p_l // 64)
+    assert block + 2 * p_l + 4 * v * d > head
+    assert plan.dp_extra == stacked + block + 2 * p_l + 4 * v * d - head
     untied = planner.plan_memory(dataclasses.replace(planner.resolve_model("gpt2-xl"), tied=False), 256, 256, t,
                                  "bf16", 3, remat="block", shards=64)
-    assert untied.dp_extra == 0     # no book-kept table; the gradient shard leaves the block phase below the head's
+    untied_head = 2 * 2 * v * d + 2 * 2 * t * v + 4 * v * d    # the head's fp32 sum formed whole
+    assert untied_head > block + 2 * p_l + 4 * v * d
+    assert untied.activations == 48 * t * d * 2 + -(-2 * 48 * p_l // 64) + head
+    assert untied.dp_extra == stacked + untied_head - head
     small = planner.plan_memory("gpt2", 4, 32, t, "bf16", 3, remat="block", shards=4)
     booked = {term.name: term.bytes for term in small.temporaries}
     assert booked["DP: tied table's per-example gradients (book-kept) + clipped sum, fp32"] == 4 * 9 * v * 768

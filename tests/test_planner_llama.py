@@ -71,15 +71,19 @@ def test_block_remat_temporaries_are_the_carries_and_the_largest_phase():
     with ``p_l = 4 d^2 + 3 d d_ff + 2 d = 202,383,360``; block backward: gathered weights and their unsharded
     gradient ``2 x 2 p_l``, fp32 attention probabilities and gradient plus their bf16 cast ``32 x 2048^2 x 10``,
     other activations ``2048 x 2 x (8 d + 3 d_ff)``. The LM-head phase (gathered table ``2 x 2 V d``, logits ``2048
-    x 32000 x 8``) is smaller, and the vocabulary-sharded table has no table-gradient phase. The DP step adds one
-    fp32 gradient shard."""
+    x 32000 x 8``) is smaller, and the vocabulary-sharded table has no table-gradient phase. The DP step's sums are
+    float32: the stacked block sums ``4 x 32 p_l / 256`` throughout; in the block backward the unsharded block sum
+    (``2 p_l`` over the bf16 gradient) and the head's sum held to the update, a vocabulary shard ``4 V d / 256``; the
+    untied head's sum formed whole, ``4 V d``, in the LM head's phase, which stays the smaller."""
     plan = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3, remat="block")
     p_l = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
     always = 32 * 2048 * 4096 * 2 + -(-2 * 32 * p_l // 256)
     block = 2 * 2 * p_l + 32 * 2048**2 * 10 + 2048 * 2 * (8 * 4096 + 3 * 11008)
     assert p_l == 202_383_360 and plan.activations == always + block
     assert 2 * 2 * 32000 * 4096 + 2048 * 32000 * 8 < block
-    assert plan.dp_extra == 4 * -(-plan.n_params // 256)
+    v, d = 32000, 4096
+    assert 2 * 2 * v * d + 2048 * v * 8 + 4 * v * d < block + 2 * p_l
+    assert plan.dp_extra == 4 * -(-32 * p_l // 256) + 2 * p_l + 4 * -(-v * d // 256)
     assert plan.gathered_weights == 0     # one of the block phase's buffers
     none = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3)
     assert plan.model_states == none.model_states
@@ -134,7 +138,8 @@ def test_lora_plan_trains_the_adapters_and_holds_the_base_frozen():
     ``8 (rows + cols)`` per block kernel, ``Psi_a = 80 x 8 x (2 (d + d) + 2 (d + 1024) + 3 (d + 28672))``; model
     states ``16 Psi_a / 128`` trained plus the frozen base in bf16, ``2 Psi / 128``; temporaries as for a full
     fine-tuning but a block's gradient is its adapters' (``p_a``) and its gathered weights ``2 (p_l + p_a)``; the
-    DP step adds the adapters' fp32 shard, ``4 Psi_a / 128``."""
+    DP step's fp32 sums are the adapters': stacked ``4 x 80 p_a / 128``, a block's unsharded ``2 p_a`` over its bf16
+    gradient; the frozen head has none."""
     d, f, kv, psi = 8192, 28672, 1024, 68_976_648_192
     p_a = 8 * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
     psi_a = 80 * p_a
@@ -146,7 +151,7 @@ def test_lora_plan_trains_the_adapters_and_holds_the_base_frozen():
     always = 80 * 2048 * d * 2 + -(-2 * 80 * p_a // 128)
     block = 2 * (p_l + p_a) + 2 * p_a + 64 * 2048**2 * 10 + 2048 * 2 * (4 * d + 2 * d + 2 * kv + 3 * f)
     assert plan.activations == always + block
-    assert plan.dp_extra == 4 * -(-psi_a // 128)
+    assert plan.dp_extra == 4 * -(-80 * p_a // 128) + 2 * p_a
     full = planner.plan_memory("llama-2-70b", 128, 128, 2048, "bf16", 3, remat="block")
     # full fine-tuning: gathered weights and their gradient 2 (p_l + p_l), stacked gradients of p_l a block
     assert full.activations - plan.activations == (2 * p_l - 2 * (p_l + p_a)) + 2 * (p_l - p_a) + (
