@@ -13,8 +13,8 @@
   precision, live while that layer runs (one layer at a time, no prefetch; DESIGN §4's explicit strategy). The
   ``explicit`` strategy of :mod:`dpzero_jax.sharding` gathers linear layers so; it gathers embedding tables and
   norm parameters in fp32 (its master weights), up to twice this row when the embedding is the largest layer.
-* **activations** (``remat='none'``; an *estimate*, see :func:`activation_bytes_per_token`): what the backward pass
-  keeps per token of the per-device batch, without recomputation.
+* **activations** (``remat='none'``; :func:`activation_bytes_per_token`): the residuals the backward keeps per
+  token of the per-device batch, without recomputation, as the TPU compiler keeps them for the project's models.
 * **temporaries** (``remat='block'``; :mod:`dpzero_jax.step_memory`): the named buffers of the compiled ZeRO-3
   step with the models' block remat -- the scan's saved block inputs and stacked block gradients, plus the largest
   of one block's backward (gathered weights, their gradient, attention probabilities, activations), the LM head
@@ -28,8 +28,9 @@
   ``G G^T`` of the ghost norm, or the instantiated ``rows x cols`` per-example gradient -- with ``T`` the positions
   of all uses of the weight (a tied embedding / LM head has ``2 T``); biases and norm scales are instantiated
   (``B * size``). The engine computes the norms one weight at a time and frees the buffers, so the step's extra is
-  the largest buffer (``dp_extra``); ``dp_extra_all_layers`` is the sum, the bound for a schedule that kept every
-  layer's buffer alive.
+  the largest buffer, plus (``remat='none'``) the DP step's float32 clipped sums of
+  :func:`~dpzero_jax.step_memory.dp_float32_sums` (``dp_extra``); ``dp_extra_all_layers`` is the buffers' sum, the
+  bound for a schedule that kept every layer's buffer alive.
 
 With ``peft="lora"`` (``--peft lora``) the trained parameters are the LoRA adapters (``Psi_a``; their model
 states, norms and DP gradient shard), and the frozen base is held at the compute precision, partitioned like the
@@ -69,7 +70,16 @@ from dpzero_jax.decoder_shapes import (  # noqa: F401  (DecoderConfig, PRESETS, 
     resolve_model,
     weights,
 )
-from dpzero_jax.step_memory import Term, block_remat_terms, largest_phase, non_private, peak_bytes, phase_totals
+from dpzero_jax.step_memory import (
+    Term,
+    block_parameters,
+    block_remat_terms,
+    dp_float32_sums,
+    largest_phase,
+    non_private,
+    peak_bytes,
+    phase_totals,
+)
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -170,13 +180,11 @@ class MemoryPlan:
         return [
             *self._state_rows(half, partition),
             ("gathered weights", self.gathered_weights, "largest layer, full, compute precision (stage 3)"),
-            ("activations (estimate)", self.activations,
-             "B/N x T x (L x d + block + head) bytes per token (block remat)" if self.remat == "block"
-             else "B/N x T x (L x block + head) bytes per token"),
-            ("DP extra (norm buffers)", self.dp_extra,
-             f"largest: {largest.path} ({'ghost 2BT^2' if largest.ghost else 'instantiated B p d'}, fp32); "
-             f"{n_ghost}/{n_matrix} weights ghost"),
-            ("  (all layers at once)", self.dp_extra_all_layers, "sum over layers, not in the total"),
+            ("activations", self.activations, "B/N x T x (L x block + head) bytes per token (residuals)"),
+            ("DP extra", self.dp_extra,
+             f"largest norm buffer, {largest.path} ({'ghost 2BT^2' if largest.ghost else 'instantiated B p d'}, "
+             f"fp32; {n_ghost}/{n_matrix} weights ghost) + fp32 clipped sums"),
+            ("  (norm buffers of all layers)", self.dp_extra_all_layers, "sum over layers, not in the total"),
             ("total", self.total, f"ZeRO-{self.zero}: {stage}; non-DP {_gib(self.total_non_dp)}"),
         ]
 
@@ -316,6 +324,10 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
         dp_extra, gathered = peak_bytes(terms) - activations, 0
     else:
         activations = per_device * seq * (config.n_layer * block + head)
+        # the DP step's float32 clipped sums besides the norm buffer (step_memory.dp_float32_sums: the stacked sums
+        # throughout, then a block's unsharded sum and the head's held sum, or the untied head's formed sum)
+        p_g = block_parameters(config, rank)
+        dp_extra += peak_bytes(tuple(dp_float32_sums(config, shards, compute_bytes, p_g, "p_g", not rank)))
     return MemoryPlan(config, devices, batch, seq, precision, zero, n_params, parameters, gradients, optimizer_state,
                       gathered, activations, dp_extra, sum(b.bytes for b in buffers), buffers, remat,
                       shards, terms, rank, trained, frozen)

@@ -1,10 +1,10 @@
-"""The memory planner against the TPU compiler: ``dpzero plan --remat block`` vs compiled per-chip bytes.
+"""The memory planner against the TPU compiler: ``dpzero plan --remat block|none`` vs compiled per-chip bytes.
 
-For each ZeRO-3 step of ``experiments/tpu_aot.py`` (strategy ``gspmd``, remat ``block``, bf16 activations, fp32
-parameters and Adam moments, one sequence per chip), the compiled per-chip bytes -- ``memory_analysis()``'s
-arguments (fp32 parameters and moments) plus temporaries (gradients, activations, everything else) -- against the
-planner's total (model states + temporaries [+ DP extra]) for the same model, devices, ZeRO partition (the mesh's
-``fsdp`` axis), batch and sequence length.
+For each ZeRO-3 step of ``experiments/tpu_aot.py`` (strategy ``gspmd``, remat ``block`` unless the spec says
+``remat=none``, bf16 activations, fp32 parameters and Adam moments, one sequence per chip), the compiled per-chip
+bytes -- ``memory_analysis()``'s arguments (fp32 parameters and moments) plus temporaries (gradients, activations,
+everything else) -- against the planner's total (model states + temporaries [+ DP extra]) for the same model,
+devices, ZeRO partition (the mesh's ``fsdp`` axis), batch and sequence length.
 
 Compiled figures come from ``experiments/results/tpu_aot.json`` (the cached points, no libtpu needed) and from
 ``--compile`` specs, compiled here with libtpu (set-up: ``experiments/bench_compiled.py``) for shapes not in the
@@ -14,8 +14,10 @@ cache (every spec cached in ``--out`` is compared too), e.g. a held-out variant:
         --compile "llama2-7b@v5e:8x8:num_hidden_layers=16,T=1024"
 
 A spec is ``case@topology[:key=value,...]``: a case of ``tpu_aot.CASES``, a TPU topology, and overrides of its
-model config (``GPT2Config`` / ``LlamaConfig`` keyword arguments) or of ``T`` / ``B``. Compiled points are cached in
-``--out`` (default ``experiments/results/planner_vs_tpu.json``).
+model config (``GPT2Config`` / ``LlamaConfig`` keyword arguments), of ``T`` / ``B``, or ``remat=none`` (the models'
+remat policy; default ``block``). Compiled points are cached in ``--out`` (default
+``experiments/results/planner_vs_tpu.json``). The cached case ``gpt2-xl+remat-none`` is ``tpu_aot.py``'s GPT-2 XL
+step without remat.
 """
 
 from __future__ import annotations
@@ -63,14 +65,26 @@ def parse_spec(spec: str) -> tpu_aot.Case:
     config, extra = dict(case.config), {}
     for item in filter(None, overrides.split(",")):
         key, _, value = item.partition("=")
-        (extra if key in ("T", "B") else config)[key] = int(value)
+        if key != "remat":   # spec_remat's
+            (extra if key in ("T", "B") else config)[key] = int(value)
     return dataclasses.replace(case, name=spec, config=tuple(config.items()), topology=topology, **extra)
 
 
-def compile_spec(case: tpu_aot.Case, variant: str, dump: str | None = None) -> dict:
-    compiled, mesh, seconds = tpu_aot.compile_point(case, variant, "gspmd", "block")
+def spec_remat(spec: str) -> str:
+    """The remat policy a spec asks for: ``remat=none`` among its overrides, else ``block``."""
+    remat = "block"
+    for item in spec.partition("@")[2].split(":")[-1].split(","):
+        if item.startswith("remat="):
+            remat = item.partition("=")[2]
+    if remat not in ("block", "none"):
+        raise ValueError(f"bad spec {spec!r}: remat must be block or none (the policies the planner models)")
+    return remat
+
+
+def compile_spec(case: tpu_aot.Case, variant: str, dump: str | None = None, remat: str = "block") -> dict:
+    compiled, mesh, seconds = tpu_aot.compile_point(case, variant, "gspmd", remat)
     memory = compiled.memory_analysis()
-    return {"mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}", "topology": case.topology,
+    return {"mesh": f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}", "topology": case.topology, "remat": remat,
             "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
             "peak_bytes": tpu_aot.peak_bytes(memory),
             "T": case.T, "examples_per_chip": case.B, "compile_seconds": round(seconds[1], 1),
@@ -91,7 +105,7 @@ def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
         shape = dict(item.split("=") for item in point["mesh"].split(","))
         devices = int(shape["data"]) * int(shape["fsdp"])
         plan = planner.plan_memory(config, devices, devices * point["examples_per_chip"], point["T"], "bf16", 3,
-                                   remat="block", shards=int(shape["fsdp"]),
+                                   remat=point.get("remat", "block"), shards=int(shape["fsdp"]),
                                    peft="lora" if case.lora_rank else None, lora_rank=case.lora_rank or 8)
         compiled = point["argument_bytes"] + point["temp_bytes"]
         mine = plan.total if variant == "dp" else plan.total_non_dp
@@ -106,7 +120,7 @@ def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="gpt2-xl,gptj-6b,llama2-7b,llama2-70b-lora",
+    parser.add_argument("--cases", default="gpt2-xl,gptj-6b,llama2-7b,llama2-70b-lora,gpt2-xl+remat-none",
                         help="cached tpu_aot cases to compare")
     parser.add_argument("--compile", action="append", default=[], help="case@topology[:key=value,...] to compile")
     parser.add_argument("--variants", default="nonprivate,dp")
@@ -119,7 +133,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for name in filter(None, args.cases.split(",")):
         points = {v: cached.get(f"{name}/gspmd/{v}") for v in ("nonprivate", "dp")}
-        rows += compare(tpu_aot.CASES[name], points)
+        case = tpu_aot.CASES[name.split("+")[0]]
+        rows += compare(dataclasses.replace(case, name=name), points)
     data = tpu_aot.load(args.out)
     if args.compile:
         if importlib.util.find_spec("libtpu") is None:
@@ -133,7 +148,7 @@ def main(argv=None) -> list[dict]:
         for variant in args.variants.split(","):
             if spec in args.compile and (variant not in points or args.recompute):
                 print(f"compiling {spec} {variant} ...", flush=True)
-                points[variant] = compile_spec(case, variant, dump)
+                points[variant] = compile_spec(case, variant, dump, spec_remat(spec))
                 tpu_aot.save(args.out, data)
         rows += compare(case, points)
     if dump:

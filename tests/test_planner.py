@@ -228,18 +228,19 @@ def _grad_scratch(vocab, n_ctx, d, layers, heads, batch):
 
 @pytest.mark.parametrize("vocab, d, heads, seq, batch", [(256, 64, 4, 64, 8), (512, 128, 2, 32, 16)])
 def test_activation_estimate_against_compiled_layers(vocab, d, heads, seq, batch):
-    """The per-block activation estimate against XLA's marginal scratch per block (``temp(L=2) - temp(L=1)``
-    of a compiled fp32 ``value_and_grad``; exactly linear in L on XLA:CPU). Cannot hold within 10% on CPU, and the
-    test does not pretend it does: XLA keeps its own set of residuals -- it recomputes a LayerNorm's output from the
-    normalised input inside fused consumers, keeps two fp32 copies of the attention probabilities where the
-    estimate counts one, and chooses differently with the shapes (measured marginal / estimate: 1.40, 1.50, 1.23,
-    1.13 and 0.67 on five configurations). What is tested is the band [0.6, 1.6] measured over those
-    configurations: dropping the ``n_head T`` term or the ``2 d_ff`` term of the estimate leaves it.
+    """The per-block residuals of ``remat='none'`` (``activation_bytes_per_token``: what the TPU compiler keeps for
+    the project's models, checked against TPU compiles in ``tests/test_planner_tpu.py``) against XLA:CPU's marginal
+    scratch per block (``temp(L=2) - temp(L=1)`` of a compiled fp32 ``value_and_grad``; exactly linear in L on
+    XLA:CPU). XLA:CPU keeps a subset: it recomputes the activation's intermediates and a norm's output inside fused
+    consumers (measured marginal / estimate 0.64 and 0.50 on these two shapes), so the count bounds it from above;
+    the band [0.4, 1.0] fails the count of Korthikanti et al. 2022 that the planner used before (1.40 and 1.13 here)
+    and a count without the ``d_ff`` term (1.40 on the first shape). (The ``n_head T`` term matters at long
+    sequences only: the TPU test checks it at T = 2048.)
     """
     per_block = _grad_scratch(vocab, seq, d, 2, heads, batch) - _grad_scratch(vocab, seq, d, 1, heads, batch)
     block, _ = planner.activation_bytes_per_token(_planner_config(vocab, seq, d, 1, heads), seq, "fp32")
     ratio = per_block / (block * batch * seq)
-    assert 0.6 < ratio < 1.6, ratio
+    assert 0.4 < ratio <= 1.0, ratio
 
 
 # ------------------------------------------------------------------------------------------------ API and CLI
@@ -247,7 +248,11 @@ def test_activation_estimate_against_compiled_layers(vocab, d, heads, seq, batch
 def test_plan_scales_with_the_per_device_batch():
     one = planner.plan_memory("gpt2", 1, 4, 512, "bf16", 3)
     four = planner.plan_memory("gpt2", 4, 16, 512, "bf16", 3)
-    assert four.activations == one.activations and four.dp_extra == one.dp_extra
+    assert four.activations == one.activations and four.norm_buffers == one.norm_buffers
+    # the DP extra: the largest norm buffer (per-device batch) and the float32 clipped sums (a share of the stacked
+    # block sums on each of the devices)
+    largest = max(b.bytes for b in four.norm_buffers)
+    assert largest < four.dp_extra < one.dp_extra
     assert four.total == four.model_states + four.gathered_weights + four.activations + four.dp_extra
 
 
@@ -274,7 +279,7 @@ def test_cli_prints_the_breakdown(capsys):
                          "--precision", "bf16", "--zero", "3"]) == 0
     out = capsys.readouterr().out
     expected = planner.plan_memory("gpt2-xl", 8, 64, 1024, "bf16", 3)
-    for item in ("parameters", "gradients", "optimizer state", "activations (estimate)", "DP extra", "total"):
+    for item in ("parameters", "gradients", "optimizer state", "activations", "DP extra", "total"):
         assert item in out
     assert f"{expected.total / 2**30:.3f}" in out and "1,557,611,200" in out
 
