@@ -33,7 +33,7 @@
   bound for a schedule that kept every layer's buffer alive.
 
 With ``peft="lora"`` (``--peft lora``) the trained parameters are the LoRA adapters (``Psi_a``; their model
-states, norms and DP gradient shard), and the frozen base is held at the compute precision, partitioned like the
+states, norms and DP float32 sums), and the frozen base is held at the compute precision, partitioned like the
 parameters (``frozen base weights``).
 
 Everything is in bytes, per device, on the per-device batch ``batch / devices``; the model states are partitioned
@@ -325,9 +325,10 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
     else:
         activations = per_device * seq * (config.n_layer * block + head)
         # the DP step's float32 clipped sums besides the norm buffer (step_memory.dp_float32_sums: the stacked sums
-        # throughout, then a block's unsharded sum and the head's held sum, or the untied head's formed sum)
-        p_g = block_parameters(config, rank)
-        dp_extra += peak_bytes(tuple(dp_float32_sums(config, shards, compute_bytes, p_g, "p_g", not rank)))
+        # throughout, then a block's unsharded sum and the head's held sum, or the untied head's formed sum); the
+        # sums are partitioned from ZeRO stage 2 (the gradients' stage), whole on every device below it
+        p_g, split = block_parameters(config, rank), shards if zero >= 2 else 1
+        dp_extra += peak_bytes(tuple(dp_float32_sums(config, split, compute_bytes, p_g, "p_g", not rank)))
     return MemoryPlan(config, devices, batch, seq, precision, zero, n_params, parameters, gradients, optimizer_state,
                       gathered, activations, dp_extra, sum(b.bytes for b in buffers), buffers, remat,
                       shards, terms, rank, trained, frozen)
