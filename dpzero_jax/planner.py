@@ -149,6 +149,7 @@ class MemoryPlan:
     lora_rank: int = 0                      # > 0: LoRA adapters trained (n_trainable), the base frozen
     n_trainable: int = 0                    # parameters trained (n_params without LoRA)
     frozen: int = 0                         # the frozen base's bytes (LoRA), compute precision
+    dp_sums: int = 0                        # remat='none': the DP step's float32 clipped sums, part of dp_extra
 
     @property
     def batch_per_device(self) -> int:
@@ -181,9 +182,11 @@ class MemoryPlan:
             *self._state_rows(half, partition),
             ("gathered weights", self.gathered_weights, "largest layer, full, compute precision (stage 3)"),
             ("activations", self.activations, "B/N x T x (L x block + head) bytes per token (residuals)"),
-            ("DP extra", self.dp_extra,
-             f"largest norm buffer, {largest.path} ({'ghost 2BT^2' if largest.ghost else 'instantiated B p d'}, "
-             f"fp32; {n_ghost}/{n_matrix} weights ghost) + fp32 clipped sums"),
+            ("DP extra", self.dp_extra, "the largest norm buffer + the fp32 clipped sums"),
+            ("  largest norm buffer", self.dp_extra - self.dp_sums,
+             f"{largest.path} ({'ghost 2BT^2' if largest.ghost else 'instantiated B p d'}, fp32); "
+             f"{n_ghost}/{n_matrix} weights ghost"),
+            ("  fp32 clipped sums", self.dp_sums, "stacked blocks' + a block's unsharded + the LM head's"),
             ("  (norm buffers of all layers)", self.dp_extra_all_layers, "sum over layers, not in the total"),
             ("total", self.total, f"ZeRO-{self.zero}: {stage}; non-DP {_gib(self.total_non_dp)}"),
         ]
@@ -316,7 +319,7 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
     per_device = batch // devices
     block, head = activation_bytes_per_token(config, seq, precision)
     buffers = tuple(norm_buffers(config, per_device, seq, rank))
-    dp_extra, terms = max(b.bytes for b in buffers), ()
+    dp_extra, terms, dp_sums = max(b.bytes for b in buffers), (), 0
     if remat == "block":   # the compiled step's buffers (step_memory): gathered weights are one of them
         terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, trained, zero,
                                   replicas=devices // shards, lora_rank=rank)
@@ -328,10 +331,11 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
         # throughout, then a block's unsharded sum and the head's held sum, or the untied head's formed sum); the
         # sums are partitioned from ZeRO stage 2 (the gradients' stage), whole on every device below it
         p_g, split = block_parameters(config, rank), shards if zero >= 2 else 1
-        dp_extra += peak_bytes(tuple(dp_float32_sums(config, split, compute_bytes, p_g, "p_g", not rank)))
+        dp_sums = peak_bytes(tuple(dp_float32_sums(config, split, compute_bytes, p_g, "p_g", not rank)))
+        dp_extra += dp_sums
     return MemoryPlan(config, devices, batch, seq, precision, zero, n_params, parameters, gradients, optimizer_state,
                       gathered, activations, dp_extra, sum(b.bytes for b in buffers), buffers, remat,
-                      shards, terms, rank, trained, frozen)
+                      shards, terms, rank, trained, frozen, dp_sums)
 
 
 def format_sizes() -> str:

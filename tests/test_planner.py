@@ -252,8 +252,27 @@ def test_plan_scales_with_the_per_device_batch():
     # the DP extra: the largest norm buffer (per-device batch) and the float32 clipped sums (a share of the stacked
     # block sums on each of the devices)
     largest = max(b.bytes for b in four.norm_buffers)
-    assert largest < four.dp_extra < one.dp_extra
+    assert largest < four.dp_extra < one.dp_extra and four.dp_extra == largest + four.dp_sums
     assert four.total == four.model_states + four.gathered_weights + four.activations + four.dp_extra
+
+
+def test_dp_float32_sums_without_remat_counted_by_hand():
+    """``remat='none'``: the DP extra is the largest norm buffer plus the DP step's float32 clipped sums, counted by
+    hand for GPT-2 XL on 8 devices: the stacked block sums ``4 x 48 p_l``, split 8 ways from ZeRO stage 2 (the
+    gradients' partition), whole on every device below; and, in a block's backward, its unsharded sum over its bf16
+    gradient (``2 p_l``) beside the tied table's sum held whole, ``4 V d`` (``V = 50257`` is no multiple of 8: the
+    table is split along ``d``); the LM head's phase adds no formed sum (the head is tied). With LoRA only the
+    adapters' sums."""
+    v, d = 50257, 1600
+    p_l = 12 * d**2 + 13 * d
+    for zero, split in ((3, 8), (2, 8), (1, 1), (0, 1)):
+        plan = planner.plan_memory("gpt2-xl", 8, 64, 1024, "bf16", zero)
+        assert plan.dp_sums == 4 * -(-48 * p_l // split) + 2 * p_l + 4 * v * d, zero
+        assert plan.dp_extra == max(b.bytes for b in plan.norm_buffers) + plan.dp_sums
+    lora = planner.plan_memory("gpt2-xl", 8, 64, 1024, "bf16", 3, peft="lora", lora_rank=4)
+    # rank-4 adapters of the attention's and the MLP's kernels, [1600, 4800] [1600, 1600] [1600, 6400] [6400, 1600]
+    p_a = 4 * (1600 + 4800) + 4 * (1600 + 1600) + 4 * (1600 + 6400) + 4 * (6400 + 1600)
+    assert lora.dp_sums == 4 * -(-48 * p_a // 8) + 2 * p_a     # the frozen head has no sum
 
 
 @pytest.mark.parametrize("kwargs, message", [
