@@ -93,8 +93,8 @@ class LoRA(nnx.Module):
         self.rank, self.alpha, self.scale = rank, float(alpha), float(alpha) / rank
         rngs = nnx.Rngs(params=key)
         self.lora_a = layers.DenseGeneral(in_shape, (rank,), use_bias=False, rngs=rngs)
-        self.lora_b = layers.DenseGeneral((rank,), out_shape, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
-                                      rngs=rngs)
+        self.lora_b = layers.DenseGeneral((rank,), out_shape, use_bias=False,
+                                          kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
         stack = layers.stacked_axes(base)
         if stack:   # a stacked (scanned) layer: one adapter per slice, drawn like the unstacked one
             init = nnx.initializers.normal(stddev=1.0 / math.sqrt(math.prod(in_shape)))

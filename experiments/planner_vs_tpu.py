@@ -54,28 +54,31 @@ def decoder_config(case: tpu_aot.Case) -> planner.DecoderConfig:
     return planner.DecoderConfig(name=case.name, **fields)
 
 
-def parse_spec(spec: str) -> tpu_aot.Case:
-    """``case@topology[:key=value,...]`` -> a ``tpu_aot.Case`` (config / ``T`` / ``B`` overridden)."""
+def _split_spec(spec: str) -> tuple[str, str, dict[str, str]]:
+    """``case@topology[:key=value,...]`` -> ``(case, topology, {key: value})``."""
     name, _, rest = spec.partition("@")
     topology, _, overrides = rest.rpartition(":") if rest.count(":") >= 2 else (rest, "", "")
     if name not in tpu_aot.CASES or not topology:
         raise ValueError(f"bad spec {spec!r}: expected case@topology[:key=value,...] with a case of "
                          f"{tuple(tpu_aot.CASES)}")
+    return name, topology, dict(item.partition("=")[::2] for item in filter(None, overrides.split(",")))
+
+
+def parse_spec(spec: str) -> tpu_aot.Case:
+    """``case@topology[:key=value,...]`` -> a ``tpu_aot.Case`` (config / ``T`` / ``B`` overridden; ``remat`` is
+    :func:`spec_remat`'s)."""
+    name, topology, overrides = _split_spec(spec)
     case = tpu_aot.CASES[name]
     config, extra = dict(case.config), {}
-    for item in filter(None, overrides.split(",")):
-        key, _, value = item.partition("=")
-        if key != "remat":   # spec_remat's
+    for key, value in overrides.items():
+        if key != "remat":
             (extra if key in ("T", "B") else config)[key] = int(value)
     return dataclasses.replace(case, name=spec, config=tuple(config.items()), topology=topology, **extra)
 
 
 def spec_remat(spec: str) -> str:
     """The remat policy a spec asks for: ``remat=none`` among its overrides, else ``block``."""
-    remat = "block"
-    for item in spec.partition("@")[2].split(":")[-1].split(","):
-        if item.startswith("remat="):
-            remat = item.partition("=")[2]
+    remat = _split_spec(spec)[2].get("remat", "block")
     if remat not in ("block", "none"):
         raise ValueError(f"bad spec {spec!r}: remat must be block or none (the policies the planner models)")
     return remat
