@@ -7,7 +7,7 @@ per-example norms in every engine mode. All inputs carry the batch axis first. A
 layers (``flax.nnx``, ``flax.linen``, plain JAX) get the same private gradients from the traced-program front-end;
 these are kept for models written on them and as the reference the bundled models are compared with
 (``models.transformer.DP_LAYERS``, ``experiments/bench_front_ends.py``). Until 2026-11-30 they were
-``dpzero_jax.layers``, which now holds only the DP-specific layers.
+``dpzero_jax.nn``, which now holds only the DP-specific layers.
 """
 
 from __future__ import annotations
