@@ -1,71 +1,69 @@
 """Temporaries of a compiled ZeRO-3 training step with ``remat='block'``: a peak model of named buffers.
 
-What a partitioned (GSPMD) step of a scanned decoder holds on one device besides its arguments, read from the TPU
-compiler's buffer assignment of the steps of ``experiments/tpu_aot.py`` (``--xla_dump_to``: the memory-usage
-report's largest allocations) and written as one formula per buffer.
-The step's buffers live in *phases*; the compiled step needs the buffers live throughout plus the largest phase:
+What a partitioned (GSPMD) step of a scanned decoder holds on one device besides its arguments, read off the TPU
+compiler's own schedule: ``experiments/hlo_liveness.py`` replays the dumped program's buffer liveness (while-loop
+bodies included, where the scanned blocks' backward runs) and lists what is live at its peak; its peak equals the
+compiler's ``peak_memory_in_bytes`` within 1% on the steps this model was written from. Each buffer is one formula.
 
-``temporaries = always + max(block backward, LM head, table gradient)``
+A step's buffers live at different *moments*, and the compiled step needs the largest:
 
-With ``b`` sequences per device of ``T`` tokens, ``L`` blocks of width ``d``, ``h`` heads, vocabulary ``V``, ``c``
-bytes per activation (2 in bf16 / fp16, 4 in fp32), ``p_l`` parameters per block and ``F`` devices sharing the
-ZeRO partition (the mesh's ``fsdp`` axis):
+``temporaries = always + max(carried + LM head, carried + held + block, held + table gradient)``
 
-* **always**: the scan's saved block inputs, ``L b T d c`` (``remat='block'`` keeps each block's input; the
-  backward of one block at a time rebuilds the rest); the backward scan's stacked gradient of the blocks, sharded,
-  at the compute precision, ``c ceil(L p_l / F)``, before its cast to the fp32 gradient of the update (the fp32
-  gradient shard is the planner's ``gradients`` row: with 16-bit ``parameters`` and the fp32 master, moments in
-  ``optimizer state``, the rows add up to the step's fp32 parameters, moments and gradient, ``16 Psi / F``).
-* **block backward** (one block, rebuilt): its weights all-gathered at the compute precision, ``c p_l``; its
-  unsharded weight gradient at the compute precision before the reduce-scatter, ``c p_l``; the attention
-  probabilities and their gradients, ``b h T^2`` numbers of :func:`attention_bytes` each (GPT-2: ``3 c``; Llama:
-  ``4 + 4 + c``); the block's other activations, ``b T c x`` with ``x`` the per-token count of
-  :func:`~dpzero_jax.decoder_shapes.activation_bytes_per_token` (GPT-2 ``8 d + 2 d_ff``).
-* **LM head**: what the head gathers (:func:`head_gather`: the embedding table and the head at the compute
-  precision, ``2 c V d``, or the devices' activations for a large vocabulary-sharded table); the logits,
-  ``b T V x`` with ``x`` of :func:`logits_bytes` (GPT-2: the head's output and the loss's shifted slice at the compute
-  precision, ``2 c``; Llama: ``4 + 2 c``).
-* **table gradient** (only when the table is sharded along ``d``, i.e. ``V`` is not a multiple of ``F``, as for
-  GPT-2's 50257, and the batch also spans a data axis, ``N > F``): the partitioner forms the lookup's scatter-add
-  gradient and the tied head's gradient as whole ``[V, d]`` tables at the compute precision (``nnx.Embed`` casts the
-  table at each use, so its gradient reaches that cast in bf16) and all-reduces them whole, ``2 c V d`` (GPT-2 XL:
-  two ``all-reduce bf16[50257, 1600]``). A vocabulary-sharded table gets a sharded scatter-add: no such phase.
+with ``LM head`` the largest of its three phases (``table``, ``logits``, ``gradient``) and ``block`` the larger of a
+block's backward at its attention and at its weight gradients. With ``b`` sequences per device of ``T`` tokens,
+``L`` blocks of width ``d``, ``h`` heads, vocabulary ``V``, ``c`` bytes per activation (2 in bf16 / fp16, 4 in fp32),
+``p_l`` parameters per block, ``W`` the block's largest weight matrix (the MLP's ``d x d_ff``), ``x`` the block's
+per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F`` of them sharing the ZeRO partition
+(the mesh's ``fsdp`` axis; ``R = N / F`` replicas):
+
+* **always**: the backward scan's stacked block gradients are fp32 shards, ``4 ceil(L p_l / F)``, of which the
+  planner's ``gradients`` row holds ``c``: ``(4 - c) ceil(L p_l / F)`` here (the ``parameters`` row is the blocks'
+  16-bit shards, live throughout).
+* **carried** (dead once the blocks' backward is done): the scan's saved block inputs, ``L b T d c``.
+* **LM head** -- where the head runs depends on the table's layout (:func:`head_layout`). A table sharded along ``d``
+  (``V`` not a multiple of ``F``: GPT-2's 50257), or a vocabulary-sharded one no larger than the devices' activations
+  (``V <= N b T``), is gathered whole and the head runs on each device's tokens; a larger vocabulary-sharded table
+  stays sharded and the devices' activations are gathered instead (``c N b T d``), each device computing its
+  ``V / F`` rows for every sequence. *table*: the lookup's gather and the table, ``2 c V d``; *logits*: the table
+  (or the activations) and two logits-sized buffers, ``2 c b T V``; *gradient*: a vocabulary-sharded table, the
+  logits' gradient ``c b T V`` and the head's gradient formed whole, ``c V d``.
+* **held** through the blocks' backward to the update: the head's gradient, whole (``c V d``) when the table is
+  whole, reduce-scattered by a windowed einsum (``c V d / F``) when a ``d``-sharded table is split at most 32 ways
+  (the compiler's choice, seen at ``F`` = 16 and 32 and not at 64); with the activations gathered, a tied table
+  keeps the logits' gradient and the activations for the lookup's part, ``c b T V + c N b T d``, an untied head
+  nothing.
+* **block** (one block's backward, rebuilt): at its *attention*, the probabilities (GPT-2: the probabilities and
+  their gradient, ``2 c b h T^2``; Llama's ``jax.nn.dot_product_attention``: fp32 probabilities and their cast,
+  ``(4 + c) b h T^2``), half the block's activations ``b T c x / 2`` and the largest matrix twice (gathered, and
+  its gradient), ``2 c W``; at its *weights*, Llama's fp32 probabilities still live (``4 b h T^2``), half the
+  activations and the largest matrix four times (gathered, its gradient and the reduction's buffers), ``4 c W``.
+* **table gradient** (after the blocks): a ``d``-sharded trained table with a data axis (``R > 1``) gets the
+  lookup's scatter-add and the head's gradient as whole tables, ``2 c V d``, beside the held one.
 
 The DP step (``private_value_and_grad``, ghost clipping in two passes under remat, ``norm_method`` the TPU's time
-rule) adds, measured the same way:
-
-* its clipped sums in float32 (:func:`dp_float32_sums`; the privatized sum is never rounded to half precision,
-  ``docs/privacy.md``): **always** the stacked per-block sums ``4 ceil(L p_l / F)``; in the **block backward** a
-  block's sum unsharded, ``4 p_l`` where the non-private step holds ``c p_l``, and the LM head's sum held to the
-  update, ``4 V d`` (``/ F`` for a vocabulary-sharded table); in the **LM head**, an untied head's sum formed whole,
-  ``4 V d``;
-* in the **LM head**, for a tied table (a lookup and the head: two sites of one leaf) that ghost book-keeps (where
-  :func:`tied_table_weighted` says summing it by the second pullback's weight path would hold more): its
-  per-example gradients, instantiated in fp32 (``btr,btc->brc``) with the lookup's rows scattered in, and its
-  clipped sum, formed and all-reduced whole in fp32: ``4 (b + 1) V d`` for a ``d``-sharded table (GPT-2 XL when it
-  was book-kept: two ``f32[50257, 1600]`` at the peak, 0.60 GiB over the non-private step at 12, 24 and 48 layers),
-  ``/ F`` for a vocabulary-sharded one. A weighted table adds nothing there: GPT-2 XL's DP step (one sequence per
-  chip, 2026-11-28) holds two logits-sized bf16 buffers in its LM head like the non-private step, no fp32 table,
-  and allocates 0.97x the non-private step's HBM.
-
-The ghost norms' ``T x T`` Grams of one weight at a time are small next to these (``2 b T^2`` fp32).
+rule) sums in float32 (never rounded before the noise, ``docs/privacy.md``): the largest matrix's sums are fp32,
+``8 W`` at the attention and ``16 W`` at the weights (``(8 - 2 c) W`` and ``(16 - 4 c) W`` more); the head's held
+sum is fp32, ``4 V d`` whole (``/ F`` windowed), and a vocabulary-sharded table's sum is all-reduced whole at the
+end beside it (``4 V d``); with the activations gathered, an untied head's second pass keeps the logits' gradient
+and the activations (``c b T V + c N b T d``), and a tied table that book-keeps (:func:`tied_table_weighted`) holds
+its per-example gradients of all ``R b`` sequences and two per-site sums, ``4 R b V d + 16 V d / F``; a
+``d``-sharded table that book-keeps forms its per-example gradients and sum in the LM head, ``4 (b + 1) V d``. The
+stacked fp32 sums are the same buffers as the non-private step's fp32 stacked gradients.
 
 With LoRA (``lora_rank``; the base frozen, the adapters of :func:`~dpzero_jax.decoder_shapes.lora_weights`
-trained) the same buffers, but a block's backward forms only its adapters' gradient, ``p_a`` a block (the stacked
-and unsharded gradients, the DP step's float32 sums), its gathered weights are the base
-block's and the adapters, ``c (p_l + p_a)``, and the frozen table has no gradient phase and no DP buffer.
+trained) the same buffers with the adapters' parameters ``p_a`` in the stacked gradients; the frozen base is still
+gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
+the non-private step's.
 
-The multiplicities (two gathered copies, two logits copies, ...) are the buffers counted in the compiled programs
-of ``experiments/tpu_aot.py`` (GPT-2 XL on the standard-Flax-layer model, GPT-J-6B and Llama-2-7B on 256 v5e
-chips); ``docs/planner.md`` lists how far the model is from the compiled bytes, on the shapes it was written from
-and on others (the phases overlap in the compiled heap where this model takes their maximum, and the compiler
-gathers some weights ahead of their block).
+``docs/planner.md`` compares the model with 36 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B, LoRA on Llama-2-70B,
+shapes held out from it, and the Mistral / Llama-3 / Qwen2 / Gemma presets): 0.91-1.08 of the compiler's peak on
+35, 1.14 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state rows count the table's 16-bit
+copy and gradient shard, which the compiled step does not hold at its peak).
 
-Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded: GPT-2 XL's 64-way shards
-of ``d = 1600`` are 25 wide), the allocator's packing, what the compiler puts in on-chip memory (about 0.11 GiB on
-v5e, outside ``memory_analysis()``'s temporaries), ``remat='dots'``, the DP options that
-change the tied table's buffers (``instantiated_dtype='bfloat16'`` halves its per-example part; ``norm_method=
-'mixed'`` takes its ghost norm instead: ``docs/benchmarks/tpu_aot.md``).
+Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
+and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
+to 2x for these steps: docs/planner.md), ``remat='dots'``, the DP options that change the tied table's buffers
+(``instantiated_dtype``, ``norm_method='mixed'``).
 """
 
 from __future__ import annotations
@@ -76,7 +74,11 @@ from dpzero_jax.decoder_shapes import DecoderConfig, lora_weights, weights
 from dpzero_jax.norm_rules import INSTANTIATION_MEMORY_BOUND, shape_rule
 from dpzero_jax.shard_layout import shard_axis
 
-PHASES = ("always", "block backward", "LM head", "table gradient")
+PHASES = ("always", "carried", "LM head: table", "LM head: logits", "LM head: gradient", "held",
+          "block: attention", "block: weights", "table gradient")
+HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
+BLOCK_PHASES = ("block: attention", "block: weights")
+WINDOWED_EINSUM_MAX_SHARDS = 32   # a d-sharded head's gradient is reduce-scattered in a windowed einsum up to here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,26 @@ class Term:
     formula: str
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """Where the LM head runs (module docstring): ``gathered`` (ZeRO-3 over more than one device: the table is
+    gathered or the activations are), ``d_sharded`` (the table split along ``d``), ``whole`` (the head runs on each
+    device's tokens with the whole table), ``windowed`` (a ``d``-sharded head's gradient reduce-scattered by a
+    windowed einsum, ``F <= 32``)."""
+
+    gathered: bool
+    d_sharded: bool
+    whole: bool
+    windowed: bool
+
+
+def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: int, zero: int) -> HeadLayout:
+    gathered = zero == 3 and shards > 1
+    d_sharded = table_sharded_along_d(config, shards)
+    whole = not gathered or d_sharded or config.vocab <= shards * replicas * b * t
+    return HeadLayout(gathered, d_sharded, whole, gathered and d_sharded and shards <= WINDOWED_EINSUM_MAX_SHARDS)
+
+
 def block_parameters(config: DecoderConfig, lora_rank: int = 0) -> int:
     """``p_l``: parameters of one block (the first; every block has the same shapes); with ``lora_rank``, of its
     LoRA adapters."""
@@ -98,9 +120,15 @@ def block_parameters(config: DecoderConfig, lora_rank: int = 0) -> int:
     return sum(w.size for w in arrays if w.layer.startswith(first + "/") or w.layer == first)
 
 
+def largest_block_matrix(config: DecoderConfig) -> int:
+    """``W``: the largest weight matrix of a block (GPT-2: the MLP's ``d x d_ff``; Llama: a gated-MLP matrix)."""
+    first = "h/0/" if config.family == "gpt2" else "layers/0/"
+    return max(w.size for w in weights(config) if w.is_matrix and w.path.startswith(first))
+
+
 def per_token_block_numbers(config: DecoderConfig) -> int:
-    """Per-token activations of one block other than the attention probabilities (numbers at the compute precision,
-    the count of :func:`~dpzero_jax.decoder_shapes.activation_bytes_per_token`)."""
+    """``x``: a block's per-token activations other than the attention probabilities (numbers at the compute
+    precision): GPT-2 ``8 d + 2 d_ff``; Llama ``(4 + 2 [sandwich norms]) d + 2 q + 2 kv`` head widths ``+ 3 d_ff``."""
     d = config.d_model
     if config.family == "gpt2":
         return 8 * d + 2 * config.mlp_width
@@ -108,38 +136,69 @@ def per_token_block_numbers(config: DecoderConfig) -> int:
     return (4 + 2 * config.sandwich_norms) * d + heads + 3 * config.mlp_width
 
 
-def attention_bytes(config: DecoderConfig, compute_bytes: int) -> int:
-    """Bytes per attention probability (``b h T^2`` of them) held in a block's backward. GPT-2 (the project's
-    attention: scores, fp32 softmax and the cast back fuse into one kernel): the probabilities, their gradient and
-    the scores' gradient at the compute precision, ``3 c``. Llama family (``jax.nn.dot_product_attention``'s XLA
-    path): the fp32 probabilities and fp32 gradient, and the probabilities cast for the ``P V`` matmul,
-    ``4 + 4 + c``."""
-    return 3 * compute_bytes if config.family == "gpt2" else 8 + compute_bytes
-
-
-def head_gather(config: DecoderConfig, b: int, t: int, c: int, shards: int, replicas: int) -> Term:
-    """What the LM head gathers under ZeRO-3. A ``d``-sharded table is gathered whole: ``2 c V d`` (the lookup's
-    copy and the head's, one table twice when tied). A vocabulary-sharded table is gathered only when it is smaller
-    than the devices' activations (``V d <= N b T d``); otherwise the partitioner gathers the activations, ``c N b T
-    d``, and each device computes the logits of all ``N b`` sequences for its ``V / F`` rows (the same bytes)."""
-    v, d, n = config.vocab, config.d_model, shards * replicas
-    if table_sharded_along_d(config, shards) or v * d <= n * b * t * d:
-        return Term("embedding table + LM head, gathered", "LM head", 2 * c * v * d, "2 c V d (ZeRO-3)")
-    return Term("activations gathered for the vocabulary-sharded head", "LM head", c * n * b * t * d,
-                "c N b T d (V d > N b T d)")
-
-
-def logits_bytes(config: DecoderConfig, compute_bytes: int) -> int:
-    """Bytes per logit (``b T V`` of them) held in the LM head's phase. GPT-2 family: two compute-precision copies
-    (the head's ``[b, T, V]`` output and the loss's shifted ``[b, T - 1, V]`` slice or its gradient; the loss's fp32
-    cast fuses into its consumers), ``2 c``. Llama family: the fp32 cast for the loss and the logits and their
-    gradient at the compute precision, ``4 + 2 c``."""
-    return 2 * compute_bytes if config.family == "gpt2" else 4 + 2 * compute_bytes
+def attention_bytes(config: DecoderConfig, compute_bytes: int) -> tuple[int, int]:
+    """Bytes per attention probability (``b h T^2`` of them) in a block's backward, ``(at its attention, at its
+    weights)``. GPT-2 (scores, fp32 softmax and the cast back fuse into one kernel): the probabilities and their
+    gradient at the compute precision, ``2 c``, then none. Llama family (``jax.nn.dot_product_attention``'s XLA
+    path): the fp32 probabilities and their cast for the ``P V`` matmul, ``4 + c``; the fp32 ones stay, ``4``."""
+    return (2 * compute_bytes, 0) if config.family == "gpt2" else (4 + compute_bytes, 4)
 
 
 def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
     """Whether ``sharding.weight_spec`` shards the ``[V, d]`` embedding table along ``d`` on ``shards`` devices."""
     return shard_axis((config.vocab, config.d_model), shards) == 1
+
+
+def head_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, layout: HeadLayout, trained: bool
+               ) -> list[Term]:
+    """The LM head's three phases (module docstring)."""
+    v, d = config.vocab, config.d_model
+    table = c * v * d if layout.gathered and layout.whole else 0
+    vocab_table = table if not layout.d_sharded else 0
+    return [
+        Term("embedding table + LM head, gathered", "LM head: table", 2 * table, "2 c V d (the table gathered)"),
+        Term("table or activations gathered for the head", "LM head: logits",
+             table if layout.whole else c * n * b * t * d, "c V d (the table gathered), else c N b T d"),
+        Term("logits, two copies", "LM head: logits", 2 * c * b * t * v, "2 c b T V"),
+        Term("vocabulary-sharded table, gathered", "LM head: gradient", vocab_table,
+             "c V d (a vocabulary-sharded table gathered)"),
+        Term("logits gradient", "LM head: gradient", c * b * t * v, "c b T V"),
+        Term("LM head gradient, formed whole", "LM head: gradient",
+             c * v * d if trained and layout.whole and not layout.windowed else 0, "c V d (the table whole)"),
+    ]
+
+
+def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int, layout: HeadLayout,
+              trained: bool) -> Term:
+    """What the head's backward leaves for the update, held through every block's backward."""
+    v, d = config.vocab, config.d_model
+    name = "LM head gradient (or what forms it), held to the update"
+    if not trained:
+        return Term(name, "held", 0, "0 (frozen)")
+    if layout.windowed:
+        return Term(name, "held", c * -(-v * d // shards), "c V d / F (d-sharded, F <= 32: reduce-scattered)")
+    if layout.whole:
+        return Term(name, "held", c * v * d, "c V d (the table whole)")
+    if config.tied:
+        return Term(name, "held", c * b * t * v + c * n * b * t * d, "c b T V + c N b T d (tied)")
+    return Term(name, "held", 0, "0 (untied, activations gathered)")
+
+
+def block_terms(config: DecoderConfig, b: int, t: int, c: int) -> list[Term]:
+    """One block's backward, rebuilt, at its attention and at its weight gradients (module docstring)."""
+    h, w, x = config.n_head, largest_block_matrix(config), per_token_block_numbers(config)
+    at_attention, residue = attention_bytes(config, c)
+    return [
+        Term("attention probabilities (+ gradient)", "block: attention", b * h * t * t * at_attention,
+             "b h T^2 x (GPT-2: 2 c; Llama: 4 + c)"),
+        Term("block activations, half", "block: attention", b * t * c * x // 2, "b T c x / 2"),
+        Term("largest block matrix, twice (gathered, its gradient)", "block: attention", 2 * c * w, "2 c W"),
+        Term("attention probabilities, fp32, through the block", "block: weights", b * h * t * t * residue,
+             "b h T^2 x (GPT-2: 0; Llama: 4)"),
+        Term("block activations, half", "block: weights", b * t * c * x // 2, "b T c x / 2"),
+        Term("largest block matrix, four times (gathered, gradient, reduction)", "block: weights", 4 * c * w,
+             "4 c W"),
+    ]
 
 
 def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, shards: int, compute_bytes: int,
@@ -149,44 +208,63 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     ``n_params``: the trainable parameters. ``lora_rank``: LoRA on the default targets, the base frozen (gathered
     like trained weights, no gradient; only the adapters' gradients, ``p_a`` a block, are formed)."""
     b, t, c = batch_per_device, seq, compute_bytes
-    d, v, h, layers = config.d_model, config.vocab, config.n_head, config.n_layer
-    p_l, p_a = block_parameters(config), block_parameters(config, lora_rank) if lora_rank else 0
-    p_g, g = (p_a, "p_a") if lora_rank else (p_l, "p_l")   # what a block's backward forms a gradient of
-    gathered = zero == 3 and shards > 1
+    d, v, layers, n = config.d_model, config.vocab, config.n_layer, shards * replicas
+    p_g, g = (block_parameters(config, lora_rank), "p_a") if lora_rank else (block_parameters(config), "p_l")
+    trained = not lora_rank
+    layout = head_layout(config, b, t, shards, replicas, zero)
+    held = held_term(config, b, t, c, n, shards, layout, trained)
+    table_gradient = 2 * c * v * d if layout.gathered and layout.d_sharded and replicas > 1 and trained else 0
     terms = [
-        Term("block inputs (scan carries)", "always", layers * b * t * d * c, "L b T d c"),
-        Term("stacked block gradients, compute precision", "always", c * -(-layers * p_g // shards),
-             f"c ceil(L {g} / F)"),
-        Term("block weights, gathered", "block backward", c * (p_l + p_a) if gathered else 0,
-             "c (p_l + p_a) (ZeRO-3)" if lora_rank else "c p_l (ZeRO-3)"),
-        Term("block weight gradient, unsharded", "block backward", c * p_g, f"c {g}"),
-        Term("attention probabilities and gradients", "block backward", b * h * t * t * attention_bytes(config, c),
-             "b h T^2 x (GPT-2: 3 c; Llama: 4 + 4 + c)"),
-        Term("block activations", "block backward", b * t * c * per_token_block_numbers(config), "b T c x"),
-        head_gather(config, b, t, c, shards, replicas) if gathered else
-        Term("embedding table + LM head, gathered", "LM head", 0, "2 c V d (ZeRO-3)"),
-        Term("logits", "LM head",
-             b * t * v * logits_bytes(config, c), "b T V x (GPT-2: 2 c; Llama: 4 + 2 c)"),
+        Term("stacked block gradients, fp32, beyond the gradients row", "always",
+             (4 - c) * -(-layers * p_g // shards), f"(4 - c) ceil(L {g} / F)"),
+        Term("block inputs (scan carries)", "carried", layers * b * t * d * c, "L b T d c"),
+        *head_terms(config, b, t, c, n, layout, trained),
+        held,
+        *block_terms(config, b, t, c),
+        Term("lookup + head table gradients, whole, compute precision", "table gradient", table_gradient,
+             "2 c V d (d-sharded trained table, R > 1)"),
     ]
-    d_sharded = zero == 3 and table_sharded_along_d(config, shards)
-    # a d-sharded (or unsharded) table's gradients are formed whole (the partitioner's scatter-add and the head's
-    # product), a vocabulary-sharded one's in shards
-    table_share = -(-v * d // shards) if gathered and not d_sharded else v * d
-    terms.append(Term("lookup + head table gradients, whole, compute precision", "table gradient",
-                      2 * c * v * d if d_sharded and replicas > 1 and not lora_rank else 0,
-                      "2 c V d (d-sharded trained table, data axis > 1)"))
-    terms += dp_float32_sums(config, shards, c, p_g, g, trained_head=not lora_rank)
-    booked = config.tied and not lora_rank and not tied_table_weighted(config, b, t, c)
-    terms.append(Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head",
-                      4 * (b + 1) * table_share if booked else 0,
-                      "4 (b + 1) V d (tied and book-kept; / F when the table is vocabulary-sharded)"))
+    if trained:
+        terms += dp_block_terms(config, b, t, c, n, shards, replicas, layout, held.bytes)
     return tuple(terms)
+
+
+def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int, replicas: int,
+                   layout: HeadLayout, held: int) -> list[Term]:
+    """The DP step's buffers beyond the non-private step's with ``remat='block'`` (module docstring): fp32 sums
+    where the non-private step's gradients are at ``c`` bytes, and what its second pass keeps."""
+    v, d, w = config.vocab, config.d_model, largest_block_matrix(config)
+    booked = config.tied and not tied_table_weighted(config, b, t, c)
+    terms = [
+        Term("DP: largest block matrix's sums in fp32, at the attention", "block: attention", (8 - 2 * c) * w,
+             "(8 - 2 c) W"),
+        Term("DP: largest block matrix's sums in fp32, at the weights", "block: weights", (16 - 4 * c) * w,
+             "(16 - 4 c) W"),
+    ]
+    if layout.whole:
+        share = -(-v * d // shards) if layout.windowed else v * d
+        terms += [
+            Term("DP: LM head's clipped sum, fp32, held", "held", (4 - c) * share,
+                 "(4 - c) V d (/ F when reduce-scattered)"),
+            Term("DP: LM head's clipped sum, fp32, all-reduced whole at the end", "table gradient",
+                 0 if layout.d_sharded else 4 * v * d, "4 V d (a vocabulary-sharded table)"),
+            Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
+                 4 * (b + 1) * v * d if booked else 0, "4 (b + 1) V d (tied and book-kept)"),
+        ]
+    elif not config.tied:
+        terms.append(Term("DP: logits gradient + gathered activations, held for the second pass", "held",
+                          c * b * t * v + c * n * b * t * d, "c b T V + c N b T d"))
+    elif booked:
+        kept = 4 * replicas * b * v * d + 16 * -(-v * d // shards)
+        terms.append(Term("DP: tied table's per-example gradients (book-kept) + per-site sums, fp32, held", "held",
+                          max(0, kept - held), "4 R b V d + 16 V d / F, less the non-private step's"))
+    return terms
 
 
 def dp_float32_sums(config: DecoderConfig, shards: int, c: int, p_g: int, g: str,
                     trained_head: bool) -> list[Term]:
-    """The DP step's clipped sums, float32 on every device and across devices (never rounded before the noise,
-    ``docs/privacy.md``), where the non-private step's gradients are at the compute precision ``c``:
+    """The DP step's clipped sums without remat, float32 on every device and across devices (never rounded before
+    the noise, ``docs/privacy.md``), where the non-private step's gradients are at the compute precision ``c``:
 
     * the scan's stacked per-block sums, sharded, ``4 ceil(L p_g / F)``, throughout (beside the compute-precision
       stack the model keeps);
@@ -194,24 +272,22 @@ def dp_float32_sums(config: DecoderConfig, shards: int, c: int, p_g: int, g: str
       ``c p_g``, so ``(4 - c) p_g`` more;
     * a trained LM head's sum, formed when the backward starts and held until the update, through every block's
       backward: whole, ``4 V d``, for a table sharded along ``d``, else ``4 ceil(V d / F)``; and, for an untied
-      head, formed whole in the LM head's phase, ``4 V d`` (a tied table summed by its weight path adds nothing
-      there; a book-kept one has its own term).
+      head, formed whole in the LM head's phase, ``4 V d``.
 
-    Read from the TPU compiler's live ranges at the DP step's peak (``--xla_dump_to``, ``*live-range.txt``: GPT-J-6B's
-    shape, 14 layers on 64 v5e chips: the head's ``f32[4096, 50400]``, one block's fp32 gradients at their all-reduce
-    and the stacked ``f32[14, ...]`` shards) and from the large-vocabulary presets' DP - non-DP differences (Qwen2-7B
-    +2.07 GiB, ``4 V d`` = 2.03)."""
+    Read from the TPU compiler's live ranges at the DP step's peak (``--xla_dump_to``, ``*live-range.txt``) of
+    steps without remat and from the large-vocabulary presets' DP - non-DP differences (Qwen2-7B +2.07 GiB,
+    ``4 V d`` = 2.03)."""
     v, d, layers = config.vocab, config.d_model, config.n_layer
     held = 4 * v * d if table_sharded_along_d(config, shards) else 4 * -(-v * d // shards)
     formed = trained_head and not config.tied
     return [
         Term("DP: stacked block clipped sums, fp32", "always", 4 * -(-layers * p_g // shards),
              f"4 ceil(L {g} / F)"),
-        Term("DP: block clipped sum, unsharded, fp32 (over its c bytes)", "block backward", (4 - c) * p_g,
+        Term("DP: block clipped sum, unsharded, fp32 (over its c bytes)", "block: weights", (4 - c) * p_g,
              f"(4 - c) {g}"),
-        Term("DP: LM head's clipped sum, fp32, held to the update", "block backward", held if trained_head else 0,
+        Term("DP: LM head's clipped sum, fp32, held to the update", "held", held if trained_head else 0,
              "4 V d (d-sharded; else 4 ceil(V d / F))"),
-        Term("DP: LM head's clipped sum, fp32, formed (untied head)", "LM head", 4 * v * d if formed else 0,
+        Term("DP: LM head's clipped sum, fp32, formed (untied head)", "LM head: logits", 4 * v * d if formed else 0,
              "4 V d"),
     ]
 
@@ -249,12 +325,22 @@ def phase_totals(terms: tuple[Term, ...]) -> dict[str, int]:
     return out
 
 
-def peak_bytes(terms: tuple[Term, ...]) -> int:
-    """``always + max(other phases)``: the temporaries of the compiled step."""
-    totals = phase_totals(terms)
-    return totals["always"] + max(totals[p] for p in PHASES if p != "always")
-
-
 def largest_phase(terms: tuple[Term, ...]) -> str:
+    """The moment of the peak beyond ``always``: ``carried + `` an LM head or block phase, or ``held + table
+    gradient``."""
     totals = phase_totals(terms)
-    return max((p for p in PHASES if p != "always"), key=lambda p: totals[p])
+    candidates = {f"carried + {p}": totals["carried"] + totals[p] for p in HEAD_PHASES}
+    candidates.update({f"carried + held + {p}": totals["carried"] + totals["held"] + totals[p]
+                       for p in BLOCK_PHASES})
+    candidates["held + table gradient"] = totals["held"] + totals["table gradient"]
+    return max(candidates, key=candidates.get)
+
+
+def peak_bytes(terms: tuple[Term, ...]) -> int:
+    """The temporaries of the compiled step: ``always`` plus the largest of ``carried + LM head`` (either LM head
+    phase), ``carried + held + block`` (either block phase) and ``held + table gradient`` (the block inputs are
+    dead once the blocks' backward is done)."""
+    totals = phase_totals(terms)
+    head = totals["carried"] + max(totals[p] for p in HEAD_PHASES)
+    blocks = totals["carried"] + totals["held"] + max(totals[p] for p in BLOCK_PHASES)
+    return totals["always"] + max(head, blocks, totals["held"] + totals["table gradient"])

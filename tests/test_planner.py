@@ -305,53 +305,79 @@ def test_cli_prints_the_breakdown(capsys):
 
 def test_cli_block_remat_prints_the_compiled_step_buffers(capsys):
     """``--remat block --shards 64``: GPT-2 XL as tpu_aot.py compiles it on 256 chips (data 4 x fsdp 64); the table
-    lists the named buffers with their phases and the DP extra's whole fp32 table gradient."""
+    lists the named buffers with their phases, the moment of the peak, and the DP step's fp32 head sum."""
     assert planner.main(["--model", "gpt2-xl", "--devices", "256", "--shards", "64", "--batch", "256", "--seq",
                          "1024", "--remat", "block"]) == 0
     out = capsys.readouterr().out
     expected = planner.plan_memory("gpt2-xl", 256, 256, 1024, "bf16", 3, remat="block", shards=64)
-    assert "12 (master, m, v) x Psi / F" in out and "[table gradient]" in out and "[block backward]" in out
+    assert "12 (master, m, v) x Psi / F" in out and "[table gradient]" in out and "[block: attention]" in out
+    assert "largest: carried + LM head: logits" in out and "largest: carried + held + block: attention" in out
     assert f"{expected.total / 2**30:.3f}" in out
     assert expected.optimizer_state == 12 * -(-1_557_611_200 // 64)
 
 
 def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
     """GPT-2 XL on 256 chips (data 4 x fsdp 64), T 1024, one sequence per chip, ``remat='block'``, counted by hand
-    from the buffers of its compiled steps (docs/planner.md). Its table (``V = 50257``, not a multiple of 64) is
-    sharded along ``d``. Always: block inputs ``48 x 1024 x 1600 x 2``, stacked bf16 block gradients ``2 x 48 p_l /
-    64``. LM head, the largest phase: the table gathered for the lookup and the head ``2 x 2 V d``, two bf16 copies of
-    the logits ``2 x 2 x 1024 V``. Table gradient: the lookup's and the head's whole bf16 gradients ``2 x 2 V d``. The
-    DP step sums the tied table by its weight path (the memory rule of ``ghost.weighted``: the scaled head gradients,
-    ``1024 (V + d) x 2`` bytes, against the book-kept fp32 gradient and clipped sum, ``2 x 4 V d``), which adds
-    nothing to the LM head's phase. Its sums are float32: the stacked block sums ``4 x 48 p_l / 64`` throughout, and
-    in a block's backward the unsharded block sum (``4 p_l``, ``2 p_l`` over the non-private bf16 gradient) and the
-    table's sum held whole to the update, ``4 V d``; that phase then exceeds the LM head's. Untied, the head's sum
-    is also formed whole in the LM head's phase (``4 V d``), which becomes the largest. GPT-2 small at 8 sequences
-    per chip (T 1024) book-keeps its table: ``4 (8 + 1) V d`` in the LM head."""
+    from the buffers live at the peaks of its compiled steps (docs/planner.md, ``experiments/hlo_liveness.py``). Its
+    table (``V = 50257``, not a multiple of 64) is sharded along ``d`` and gathered whole; 64 shards are too many for
+    the compiler's windowed einsum, so the head's gradient is formed and held whole. Always: the fp32 stacked block
+    gradients beyond the gradients row, ``2 x 48 p_l / 64``; carried: block inputs ``48 x 1024 x 1600 x 2``. LM head
+    (the largest moment): the table ``2 V d`` and two bf16 logits ``2 x 2 x 1024 V``. A block's backward, below it:
+    the held head gradient ``2 V d``, at the attention the bf16 probabilities and gradient ``25 x 1024^2 x 4``, half
+    the activations ``1024 x 2 x 16 d / 2`` and the MLP matrix twice ``2 x 2 W``; at the weights half the
+    activations and the matrix four times. Table gradient (data axis 4): the lookup's scatter-add and head gradient
+    ``2 x 2 V d`` beside the held one, the block inputs dead. The DP step sums the tied table by its weight path
+    (``ghost.weighted``'s memory rule), so nothing book-kept; its sums are fp32: the matrix's ``8 W`` at the
+    attention (still the block's larger moment) and ``16 W`` at the weights, the head's sum ``4 V d`` held, and the
+    block's backward becomes the largest. GPT-2 small at 8 sequences per chip book-keeps its table: ``4 (8 + 1) V
+    d`` in the LM head."""
     v, d, t = 50257, 1600, 1024
     plan = planner.plan_memory("gpt2-xl", 256, 256, t, "bf16", 3, remat="block", shards=64)
-    p_l = 12 * d**2 + 13 * d
-    always = 48 * t * d * 2 + -(-2 * 48 * p_l // 64)
-    head = 2 * 2 * v * d + 2 * 2 * t * v
-    assert plan.activations == always + head
+    p_l, w = 12 * d**2 + 13 * d, 4 * d * d
+    always, carried = -(-2 * 48 * p_l // 64), 48 * t * d * 2
+    head = 2 * v * d + 2 * 2 * t * v
+    half_acts = t * 2 * 16 * d // 2
+    attention, weights_ = 25 * t**2 * 4 + half_acts + 2 * 2 * w, half_acts + 4 * 2 * w
+    assert attention > weights_ and carried + 2 * v * d + attention < carried + head
+    assert 2 * v * d + 2 * 2 * v * d < carried + head and 2 * 2 * v * d < head
+    assert plan.activations == always + carried + head
     totals = {term.name: term.bytes for term in plan.temporaries}
-    assert totals["lookup + head table gradients, whole, compute precision"] == 2 * 2 * v * d < head
+    assert totals["lookup + head table gradients, whole, compute precision"] == 2 * 2 * v * d
     assert step_memory.tied_table_weighted(plan.model, 1, t, 2)
-    block = 2 * 2 * p_l + 25 * 1024**2 * 3 * 2 + 1024 * 2 * (8 * d + 2 * 4 * d)
-    assert sum(term.bytes for term in step_memory.non_private(plan.temporaries)
-               if term.phase == "block backward") == block < head
-    stacked = 4 * -(-48 * p_l // 64)
-    assert block + 2 * p_l + 4 * v * d > head
-    assert plan.dp_extra == stacked + block + 2 * p_l + 4 * v * d - head
-    untied = planner.plan_memory(dataclasses.replace(planner.resolve_model("gpt2-xl"), tied=False), 256, 256, t,
-                                 "bf16", 3, remat="block", shards=64)
-    untied_head = 2 * 2 * v * d + 2 * 2 * t * v + 4 * v * d    # the head's fp32 sum formed whole
-    assert untied_head > block + 2 * p_l + 4 * v * d
-    assert untied.activations == 48 * t * d * 2 + -(-2 * 48 * p_l // 64) + head
-    assert untied.dp_extra == stacked + untied_head - head
+    dp_block = carried + 4 * v * d + max(attention + 4 * w, weights_ + 8 * w)
+    assert dp_block == carried + 4 * v * d + attention + 4 * w > max(carried + head, 4 * v * d + 2 * 2 * v * d)
+    assert plan.dp_extra == dp_block - (carried + head)
     small = planner.plan_memory("gpt2", 4, 32, t, "bf16", 3, remat="block", shards=4)
     booked = {term.name: term.bytes for term in small.temporaries}
     assert booked["DP: tied table's per-example gradients (book-kept) + clipped sum, fp32"] == 4 * 9 * v * 768
+
+
+def test_block_remat_windowed_head_and_gathered_activations_counted_by_hand():
+    """Two other head layouts. GPT-2 XL's 12 layers on 32 chips (fsdp 32, T 1024): the ``d``-sharded table's
+    gradient is reduce-scattered by the compiler's windowed einsum (``F <= 32``), so the head holds ``2 V d / 32``
+    and the DP step's sum ``4 V d / 32``, not the whole table. A 2-block Llama (d 2048, V 32000) on 4 chips (T
+    2048): the vocabulary-sharded table is larger than the devices' activations (``V > N b T = 8192``), so the
+    activations are gathered (``2 x 4 x 2048 x d``), nothing is held for the untied head, and the DP step's second
+    pass keeps the logits' gradient and the activations, ``2 x 2048 V + 2 x 4 x 2048 d``."""
+    gpt2 = dataclasses.replace(planner.resolve_model("gpt2-xl"), n_layer=12)
+    plan = planner.plan_memory(gpt2, 32, 32, 1024, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    v, d = 50257, 1600
+    assert terms["LM head gradient (or what forms it), held to the update"] == 2 * -(-v * d // 32)
+    assert terms["DP: LM head's clipped sum, fp32, held"] == 2 * -(-v * d // 32)
+    assert terms["LM head gradient, formed whole"] == 0
+    llama = planner.DecoderConfig("two-block", 2, 2048, 16, 32000, 4096, d_ff=5504, tied=False, family="llama")
+    plan = planner.plan_memory(llama, 4, 4, 2048, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    assert terms["table or activations gathered for the head"] == 2 * 4 * 2048 * 2048
+    assert terms["LM head gradient (or what forms it), held to the update"] == 0
+    assert terms["DP: logits gradient + gathered activations, held for the second pass"] == (
+        2 * 2048 * 32000 + 2 * 4 * 2048 * 2048)
+    p_l, w = 4 * 2048**2 + 3 * 2048 * 5504 + 2 * 2048, 2048 * 5504
+    half_acts = 2048 * 2 * (8 * 2048 + 3 * 5504) // 2
+    attention = 16 * 2048**2 * 6 + half_acts + 2 * 2 * w
+    head = 2 * 4 * 2048 * 2048 + 2 * 2 * 2048 * 32000
+    assert plan.activations == -(-2 * 2 * p_l // 4) + 2 * 2048 * 2048 * 2 + max(attention, head)
 
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):

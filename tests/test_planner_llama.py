@@ -65,25 +65,28 @@ def test_weights_are_the_leaves_the_engine_traces(overrides):
 
 
 def test_block_remat_temporaries_are_the_carries_and_the_largest_phase():
-    """With ``remat='block'`` the temporaries are the buffers live throughout the backward plus its largest phase
-    (dpzero_jax.step_memory). Llama 2 7B, 256 chips, T 2048, one sequence per chip, counted by hand: always, the
-    scan's saved block inputs ``32 x 2048 x 4096 x 2`` and the stacked bf16 block gradients ``2 x 32 x p_l / 256``
-    with ``p_l = 4 d^2 + 3 d d_ff + 2 d = 202,383,360``; block backward: gathered weights and their unsharded
-    gradient ``2 x 2 p_l``, fp32 attention probabilities and gradient plus their bf16 cast ``32 x 2048^2 x 10``,
-    other activations ``2048 x 2 x (8 d + 3 d_ff)``. The LM-head phase (gathered table ``2 x 2 V d``, logits ``2048
-    x 32000 x 8``) is smaller, and the vocabulary-sharded table has no table-gradient phase. The DP step's sums are
-    float32: the stacked block sums ``4 x 32 p_l / 256`` throughout; in the block backward the unsharded block sum
-    (``2 p_l`` over the bf16 gradient) and the head's sum held to the update, a vocabulary shard ``4 V d / 256``; the
-    untied head's sum formed whole, ``4 V d``, in the LM head's phase, which stays the smaller."""
+    """With ``remat='block'`` the temporaries are the buffers live throughout plus the largest moment
+    (dpzero_jax.step_memory). Llama 2 7B, 256 chips, T 2048, one sequence per chip, counted by hand: always, the fp32
+    stacked block gradients beyond the gradients row ``2 x 32 x p_l / 256`` with ``p_l = 4 d^2 + 3 d d_ff + 2 d =
+    202,383,360``; carried, the scan's saved block inputs ``32 x 2048 x 4096 x 2``; the vocabulary-sharded table
+    (``V = 32000 <= N b T``) is gathered and the head's gradient, formed whole, is held, ``2 V d``; a block's backward
+    at its attention (the largest): fp32 probabilities and their bf16 cast ``32 x 2048^2 x 6``, half the activations
+    ``2048 x 2 x (8 d + 3 d_ff) / 2``, the MLP matrix twice ``2 x 2 d d_ff``. The LM head's phases are smaller. The
+    DP step's sums are fp32: the matrix at the weights ``16 d d_ff`` (with Llama's fp32 probabilities ``32 x 2048^2
+    x 4``, the larger block moment), the held head sum ``4 V d``."""
     plan = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3, remat="block")
-    p_l = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
-    always = 32 * 2048 * 4096 * 2 + -(-2 * 32 * p_l // 256)
-    block = 2 * 2 * p_l + 32 * 2048**2 * 10 + 2048 * 2 * (8 * 4096 + 3 * 11008)
-    assert p_l == 202_383_360 and plan.activations == always + block
-    assert 2 * 2 * 32000 * 4096 + 2048 * 32000 * 8 < block
-    v, d = 32000, 4096
-    assert 2 * 2 * v * d + 2048 * v * 8 + 4 * v * d < block + 2 * p_l
-    assert plan.dp_extra == 4 * -(-32 * p_l // 256) + 2 * p_l + 4 * -(-v * d // 256)
+    v, d, f = 32000, 4096, 11008
+    p_l, w = 4 * d**2 + 3 * d * f + 2 * d, d * f
+    always, carried = -(-2 * 32 * p_l // 256), 32 * 2048 * d * 2
+    half_acts = 2048 * 2 * (8 * d + 3 * f) // 2
+    attention, weights_ = 32 * 2048**2 * 6 + half_acts + 2 * 2 * w, 32 * 2048**2 * 4 + half_acts + 4 * 2 * w
+    assert p_l == 202_383_360 and attention > weights_
+    head = max(2 * 2 * v * d, 2 * v * d + 2 * 2 * 2048 * v, 2 * v * d + 2 * 2048 * v + 2 * v * d)
+    assert head < 2 * v * d + attention
+    assert plan.activations == always + carried + 2 * v * d + attention
+    dp_attention, dp_weights = attention + 4 * w, weights_ + 8 * w
+    assert dp_weights > dp_attention and 4 * v * d + 4 * v * d < carried + 4 * v * d + dp_weights
+    assert plan.dp_extra == (4 * v * d + dp_weights) - (2 * v * d + attention)
     assert plan.gathered_weights == 0     # one of the block phase's buffers
     none = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3)
     assert plan.model_states == none.model_states
@@ -137,9 +140,8 @@ def test_lora_plan_trains_the_adapters_and_holds_the_base_frozen():
     """LoRA rank 8 on Llama 2 70B, 128 chips (the AOT case of experiments/tpu_aot.py), counted by hand: adapters
     ``8 (rows + cols)`` per block kernel, ``Psi_a = 80 x 8 x (2 (d + d) + 2 (d + 1024) + 3 (d + 28672))``; model
     states ``16 Psi_a / 128`` trained plus the frozen base in bf16, ``2 Psi / 128``; temporaries as for a full
-    fine-tuning but a block's gradient is its adapters' (``p_a``) and its gathered weights ``2 (p_l + p_a)``; the
-    DP step's fp32 sums are the adapters': stacked ``4 x 80 p_a / 128``, a block's unsharded ``2 p_a`` over its bf16
-    gradient; the frozen head has none."""
+    fine-tuning but the stacked gradients are the adapters' (``p_a``), the frozen head holds no gradient, and the
+    DP step adds no buffer (its fp32 sums are the adapters'; the base's gathers are the non-private step's)."""
     d, f, kv, psi = 8192, 28672, 1024, 68_976_648_192
     p_a = 8 * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
     psi_a = 80 * p_a
@@ -147,15 +149,17 @@ def test_lora_plan_trains_the_adapters_and_holds_the_base_frozen():
     assert plan.n_trainable == psi_a == 103_546_880 and plan.n_params == psi
     assert plan.frozen == 2 * -(-psi // 128)
     assert plan.model_states == plan.frozen + 16 * -(-psi_a // 128)
-    p_l = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
-    always = 80 * 2048 * d * 2 + -(-2 * 80 * p_a // 128)
-    block = 2 * (p_l + p_a) + 2 * p_a + 64 * 2048**2 * 10 + 2048 * 2 * (4 * d + 2 * d + 2 * kv + 3 * f)
-    assert plan.activations == always + block
-    assert plan.dp_extra == 4 * -(-80 * p_a // 128) + 2 * p_a
+    w = d * f
+    always, carried = -(-2 * 80 * p_a // 128), 80 * 2048 * d * 2
+    half_acts = 2048 * 2 * (4 * d + 2 * d + 2 * kv + 3 * f) // 2
+    attention, weights_ = 64 * 2048**2 * 6 + half_acts + 2 * 2 * w, 64 * 2048**2 * 4 + half_acts + 4 * 2 * w
+    assert weights_ > attention                 # the block's moment at its weights: the 8192 x 28672 matrix, 4x
+    assert plan.activations == always + carried + weights_             # nothing held: the head is frozen
+    assert plan.dp_extra == 0                # the adapters' fp32 sums are small; the base's gathers are the same
     full = planner.plan_memory("llama-2-70b", 128, 128, 2048, "bf16", 3, remat="block")
-    # full fine-tuning: gathered weights and their gradient 2 (p_l + p_l), stacked gradients of p_l a block
-    assert full.activations - plan.activations == (2 * p_l - 2 * (p_l + p_a)) + 2 * (p_l - p_a) + (
-        -(-2 * 80 * p_l // 128) + (2 * 80 * p_a // -128))
+    p_l = 2 * d * d + 2 * d * kv + 3 * f * d + 2 * d
+    # full fine-tuning: the blocks' stacked gradients and the head's, held whole (the table is gathered)
+    assert full.activations - plan.activations == -(-2 * 80 * p_l // 128) - always + 2 * 32000 * d
     text = planner.run(argparse.Namespace(model="llama-2-70b", devices=128, batch=128, seq=2048, precision="bf16",
                                           zero=3, remat="block", shards=None, peft="lora", lora_rank=8, sizes=False,
                                           json=False))
