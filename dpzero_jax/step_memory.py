@@ -7,7 +7,7 @@ compiler's ``peak_memory_in_bytes`` within 1% on the steps this model was writte
 
 A step's buffers live at different *moments*, and the compiled step needs the largest:
 
-``temporaries = always + max(carried + LM head, carried + held + block, held + table gradient)``
+``temporaries = always + max(carried + LM head, backward + carried + held + block, backward + held + table gradient)``
 
 with ``LM head`` the largest of its three phases (``table``, ``logits``, ``gradient``) and ``block`` the larger of a
 block's backward at its attention and at its weight gradients. With ``b`` sequences per device of ``T`` tokens,
@@ -16,9 +16,10 @@ block's backward at its attention and at its weight gradients. With ``b`` sequen
 per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F`` of them sharing the ZeRO partition
 (the mesh's ``fsdp`` axis; ``R = N / F`` replicas):
 
-* **always**: the backward scan's stacked block gradients are fp32 shards, ``4 ceil(L p_l / F)``, of which the
-  planner's ``gradients`` row holds ``c``: ``(4 - c) ceil(L p_l / F)`` here (the ``parameters`` row is the blocks'
-  16-bit shards, live throughout).
+* **backward** (from the blocks' backward to the update): the backward scan's stacked block gradients are fp32
+  shards, ``4 ceil(L p_l / F)``, of which the planner's ``gradients`` row holds ``c``: ``(4 - c) ceil(L p_l / F)``
+  here (the ``parameters`` row is the blocks' 16-bit shards, live throughout). ``always`` is empty here (the
+  steps without remat use it: :func:`dp_float32_sums`).
 * **carried** (dead once the blocks' backward is done): the scan's saved block inputs, ``L b T d c``.
 * **LM head** -- where the head runs depends on the table's layout (:func:`head_layout`). A table sharded along ``d``
   (``V`` not a multiple of ``F``: GPT-2's 50257), or a vocabulary-sharded one no larger than the devices' activations
@@ -74,7 +75,7 @@ from dpzero_jax.decoder_shapes import DecoderConfig, lora_weights, weights
 from dpzero_jax.norm_rules import INSTANTIATION_MEMORY_BOUND, shape_rule
 from dpzero_jax.shard_layout import shard_axis
 
-PHASES = ("always", "carried", "LM head: table", "LM head: logits", "LM head: gradient", "held",
+PHASES = ("always", "backward", "carried", "LM head: table", "LM head: logits", "LM head: gradient", "held",
           "block: attention", "block: weights", "table gradient")
 HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
 BLOCK_PHASES = ("block: attention", "block: weights")
@@ -215,7 +216,7 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     held = held_term(config, b, t, c, n, shards, layout, trained)
     table_gradient = 2 * c * v * d if layout.gathered and layout.d_sharded and replicas > 1 and trained else 0
     terms = [
-        Term("stacked block gradients, fp32, beyond the gradients row", "always",
+        Term("stacked block gradients, fp32, beyond the gradients row", "backward",
              (4 - c) * -(-layers * p_g // shards), f"(4 - c) ceil(L {g} / F)"),
         Term("block inputs (scan carries)", "carried", layers * b * t * d * c, "L b T d c"),
         *head_terms(config, b, t, c, n, layout, trained),
@@ -326,21 +327,21 @@ def phase_totals(terms: tuple[Term, ...]) -> dict[str, int]:
 
 
 def largest_phase(terms: tuple[Term, ...]) -> str:
-    """The moment of the peak beyond ``always``: ``carried + `` an LM head or block phase, or ``held + table
-    gradient``."""
-    totals = phase_totals(terms)
-    candidates = {f"carried + {p}": totals["carried"] + totals[p] for p in HEAD_PHASES}
-    candidates.update({f"carried + held + {p}": totals["carried"] + totals["held"] + totals[p]
-                       for p in BLOCK_PHASES})
-    candidates["held + table gradient"] = totals["held"] + totals["table gradient"]
-    return max(candidates, key=candidates.get)
+    """The moment of the peak beyond ``always`` (see :func:`peak_bytes`)."""
+    return max(_moments(phase_totals(terms)).items(), key=lambda item: item[1])[0]
 
 
 def peak_bytes(terms: tuple[Term, ...]) -> int:
-    """The temporaries of the compiled step: ``always`` plus the largest of ``carried + LM head`` (either LM head
-    phase), ``carried + held + block`` (either block phase) and ``held + table gradient`` (the block inputs are
-    dead once the blocks' backward is done)."""
+    """The temporaries of the compiled step: ``always`` plus the largest moment: ``carried + LM head`` (any of its
+    phases; the backward has not started), ``backward + carried + held + block`` (either block phase), ``backward +
+    held + table gradient`` (the block inputs dead once the blocks' backward is done)."""
     totals = phase_totals(terms)
-    head = totals["carried"] + max(totals[p] for p in HEAD_PHASES)
-    blocks = totals["carried"] + totals["held"] + max(totals[p] for p in BLOCK_PHASES)
-    return totals["always"] + max(head, blocks, totals["held"] + totals["table gradient"])
+    return totals["always"] + max(_moments(totals).values())
+
+
+def _moments(totals: dict[str, int]) -> dict[str, int]:
+    moments = {f"carried + {p}": totals["carried"] + totals[p] for p in HEAD_PHASES}
+    moments.update({f"backward + carried + held + {p}": totals["backward"] + totals["carried"] + totals["held"]
+                    + totals[p] for p in BLOCK_PHASES})
+    moments["backward + held + table gradient"] = totals["backward"] + totals["held"] + totals["table gradient"]
+    return moments

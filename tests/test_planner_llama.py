@@ -66,14 +66,14 @@ def test_weights_are_the_leaves_the_engine_traces(overrides):
 
 def test_block_remat_temporaries_are_the_carries_and_the_largest_phase():
     """With ``remat='block'`` the temporaries are the buffers live throughout plus the largest moment
-    (dpzero_jax.step_memory). Llama 2 7B, 256 chips, T 2048, one sequence per chip, counted by hand: always, the fp32
-    stacked block gradients beyond the gradients row ``2 x 32 x p_l / 256`` with ``p_l = 4 d^2 + 3 d d_ff + 2 d =
-    202,383,360``; carried, the scan's saved block inputs ``32 x 2048 x 4096 x 2``; the vocabulary-sharded table
+    (dpzero_jax.step_memory). Llama 2 7B, 256 chips, T 2048, one sequence per chip, counted by hand: from the backward
+    on, the fp32 stacked block gradients beyond the gradients row ``2 x 32 x p_l / 256`` with ``p_l = 4 d^2 + 3 d d_ff +
+    2 d = 202,383,360``; carried, the scan's saved block inputs ``32 x 2048 x 4096 x 2``; the vocabulary-sharded table
     (``V = 32000 <= N b T``) is gathered and the head's gradient, formed whole, is held, ``2 V d``; a block's backward
     at its attention (the largest): fp32 probabilities and their bf16 cast ``32 x 2048^2 x 6``, half the activations
-    ``2048 x 2 x (8 d + 3 d_ff) / 2``, the MLP matrix twice ``2 x 2 d d_ff``. The LM head's phases are smaller. The
-    DP step's sums are fp32: the matrix at the weights ``16 d d_ff`` (with Llama's fp32 probabilities ``32 x 2048^2
-    x 4``, the larger block moment), the held head sum ``4 V d``."""
+    ``2048 x 2 x (8 d + 3 d_ff) / 2``, the MLP matrix twice ``2 x 2 d d_ff``. The LM head's phases are smaller. The DP
+    step's sums are fp32: the matrix at the weights ``16 d d_ff`` (with Llama's fp32 probabilities ``32 x 2048^2 x 4``,
+    the larger block moment), the held head sum ``4 V d``."""
     plan = planner.plan_memory("llama-2-7b", 256, 256, 2048, "bf16", 3, remat="block")
     v, d, f = 32000, 4096, 11008
     p_l, w = 4 * d**2 + 3 * d * f + 2 * d, d * f
