@@ -62,6 +62,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_liveness  # noqa: E402  (JAX-free: reads the dumped program)
 from bench_compiled import load, save  # noqa: E402  (a sibling script, imported without JAX)
 from compiled_steps import CHIPS, peak_bytes, require_libtpu  # noqa: E402
 from hlo_text import array_bytes, collective_shapes, loop_trip_counts, matmul_flops, parse_collectives  # noqa: E402
@@ -246,8 +247,10 @@ def start_dump() -> str:
 
 
 def take_dump(dump: str) -> dict:
-    """The last compiled step's buffer assignment (:func:`tpu_buffers.read_dump`); the dump is emptied for the next."""
+    """The last compiled step's buffer assignment (:func:`tpu_buffers.read_dump`) and what is live at its replayed
+    peak (:func:`hlo_liveness.summary`, ``liveness``); the dump is emptied for the next."""
     buffers = read_dump(dump)
+    buffers["liveness"] = hlo_liveness.summary(hlo_liveness.replay(dump))
     clear_dump(dump)
     return buffers
 

@@ -1,0 +1,295 @@
+"""What a TPU-compiled step holds at its peak: the dumped program's buffer liveness replayed, loop bodies included.
+
+The compiler's own live-range dump (``*live-range.txt``) follows the entry computation only: a ``while`` loop -- the
+scan over a model's blocks, where a remat step's backward runs -- is one instruction there, its body's buffers
+unseen. This replays the whole module from the files ``--xla_dump_to`` writes for a compiled step:
+
+* the schedule: ``*after_optimizations.txt`` (``is_scheduled=true``: each computation's instructions in execution
+  order), flattened as the heap simulator does, a ``while`` / ``conditional`` / ``call``'s computations (and an
+  async start's) placed before the instruction itself;
+* the values: ``*buffer-assignment-values.txt`` (each value's positions and uses) and their sizes in HBM from
+  ``*after_optimizations-buffer-assignment.txt`` (memory space 0; on-chip values left out);
+* the buffers: the values of one ``while`` loop's index (its operand, the body's parameter and root, the
+  condition's parameter) share one buffer, as do an instruction's output and the operand it aliases
+  (``output_to_operand_aliasing``), or the same-sized operand whose last use it is (the compiler writes such outputs
+  in place); every parameter allocation is live throughout.
+
+A buffer is live from its first position to its last position or use in the flattened schedule; the peak is the
+largest sum. On the steps of ``experiments/planner_vs_tpu.py`` it equals the compiler's ``peak_memory_in_bytes``
+within 1% (18 of 20 remat-block steps; LoRA on the 70B shape 0.96; of the Gemma and Llama-3 presets 0.81-1.00: an
+all-reduce's in-place reuse guessed wrong), and it lists what is live there -- the evidence
+:mod:`dpzero_jax.step_memory`'s formulas were written from::
+
+    python experiments/hlo_liveness.py DUMP_DIR [--top 25] [--within REGEX]
+
+``--within`` reports the largest moment inside computations matching ``REGEX`` (e.g. a scan body) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+import re
+
+_CONTROL_FLOW = ("while", "conditional", "call")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One buffer: its first value's defining ``name`` and ``shape``, ``size`` in bytes, live ``[start, end]`` in
+    the flattened schedule, the ``computation`` that defines it, ``parameter`` for an argument allocation."""
+
+    name: str
+    shape: str
+    size: int
+    start: int
+    end: int
+    computation: str
+    parameter: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """The replayed program: ``peak_bytes`` at ``schedule[peak_at]``, the ``arguments`` (parameter allocations)
+    within it, and every buffer."""
+
+    peak_bytes: int
+    peak_at: int
+    instruction: str
+    computation: str
+    arguments: int
+    buffers: tuple[Buffer, ...]
+    live: tuple[int, ...]
+    schedule: tuple[str, ...]
+    computation_of: dict
+
+    def live_at(self, time: int) -> list[Buffer]:
+        """The buffers live at ``time``, largest first."""
+        return sorted((b for b in self.buffers if b.start <= time <= b.end), key=lambda b: -b.size)
+
+    def peak_within(self, pattern: str) -> int:
+        """The schedule position of the largest live total inside computations whose name matches ``pattern``."""
+        times = [t for t, name in enumerate(self.schedule) if re.search(pattern, self.computation_of[name])]
+        if not times:
+            raise ValueError(f"no computation matches {pattern!r}")
+        return max(times, key=lambda t: self.live[t])
+
+
+def _one(directory: str, suffix: str) -> str:
+    found = sorted(glob.glob(os.path.join(directory, f"*{suffix}")))
+    if not found:
+        raise FileNotFoundError(f"no *{suffix} in {directory} (compile with --xla_dump_to={directory})")
+    with open(found[-1]) as f:
+        return f.read()
+
+
+def _closing(text: str) -> int:
+    """The index of the parenthesis closing ``text``'s first."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if depth == 0:
+            return index
+    raise ValueError(f"unbalanced parentheses in {text[:80]!r}")
+
+
+def _parse_program(text: str):
+    """``(computations {name: [(instruction, opcode, called, operands, aliasing)]}, roots, entry)``."""
+    computations, roots, entry, current = {}, {}, None, None
+    for line in text.split("\n"):
+        if not line.startswith(" "):
+            head = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+            if head:
+                current = head.group(2)
+                computations[current] = []
+                entry = current if head.group(1) else entry
+            elif line.startswith("}"):
+                current = None
+            continue
+        found = re.match(r"^\s+(ROOT )?%(\S+) = (.*)$", line) if current else None
+        if not found:
+            continue
+        name, rest = found.group(2), found.group(3)
+        if rest.startswith("("):            # a tuple shape: skip to its closing parenthesis
+            after = rest[_closing(rest) + 1:].lstrip()
+        else:
+            after = rest.partition(" ")[2]
+        opcode = after.split("(")[0]
+        called = []
+        if opcode == "while":
+            called = [re.search(rf"{key}=%([\w.\-]+)", after).group(1) for key in ("condition", "body")]
+        elif opcode == "conditional":
+            branches = re.search(r"branch_computations=\{([^}]*)\}", after)
+            called = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
+                      [re.search(rf"{key}=%([\w.\-]+)", after).group(1) for key in ("true_computation",
+                                                                                    "false_computation")])
+        elif opcode == "call":
+            called = [re.search(r"to_apply=%([\w.\-]+)", after).group(1)]
+        elif opcode.startswith("async") and opcode.endswith("-start") and "calls=%" in after:
+            called = [re.search(r"calls=%([\w.\-]+)", after).group(1)]
+        operands = re.findall(r"%([\w.\-]+)", after.split("),")[0])
+        aliasing = re.findall(r"\{([\d,]*)\}: \((\d+), \{([\d,]*)\}\)",
+                              (re.search(r"output_to_operand_aliasing=\{.*?\}\}?,", after) or [""])[0])
+        computations[current].append((name, opcode, called, operands, aliasing))
+        if found.group(1):
+            roots[current] = name
+    return computations, roots, entry
+
+
+def replay(directory: str, module: str = "jit_step") -> Replay:
+    """Replay the last module named ``module`` (a jitted function's: ``jit_<name>``) dumped in ``directory``."""
+    computations, roots, entry = _parse_program(_one(directory, f"{module}.*after_optimizations.txt"))
+    assignment = _one(directory, f"{module}.*after_optimizations-buffer-assignment.txt")
+    values_text = _one(directory, f"{module}.*buffer-assignment-values.txt")
+
+    schedule, time, computation_of = [], {}, {}
+
+    def flatten(computation):
+        for name, _, called, _, _ in computations[computation]:
+            for inner in called:
+                flatten(inner)
+            time[name], computation_of[name] = len(schedule), computation
+            schedule.append(name)
+    flatten(entry)
+    instructions = {name: row for rows in computations.values() for name, *row in [r for r in rows]}
+
+    size, shape = {}, {}
+    value = r"value: <(\d+) (\S+?)(?:\{[\d,]*\})?(?: \(phi\))? @(\d+)> \(size=(\d+),offset=\d+\): (\S+)"
+    for found in re.finditer(value, assignment):
+        if found.group(3) == "0":          # memory space 0: HBM
+            size[int(found.group(1))] = int(found.group(4))
+            shape[int(found.group(1))] = found.group(5).split("{")[0]
+    parameter_allocation = {}
+    for found in re.finditer(r"^allocation (\d+): size (\d+), (.*)\n((?: value:.*\n)+)", assignment, re.M):
+        if "parameter" in found.group(3):
+            for v in re.findall(r"value: <(\d+) ", found.group(4)):
+                parameter_allocation[int(v)] = (int(found.group(1)), int(found.group(2)))
+
+    values, at = {}, collections.defaultdict(list)
+    for record in re.split(r"^<", values_text, flags=re.M)[1:]:
+        head = re.match(r"(\d+) (\S+?)(?:\{[\d,]*\})?(?: \(phi\))? @\d+>", record)
+        positions_text, _, uses_text = record.partition(" uses:")
+        positions = re.findall(r"^  (\S+)(?: (\{[\d,]*\}))?$", positions_text, re.M)
+        uses = re.findall(r"^  (\S+), operand", uses_text, re.M)
+        vid = int(head.group(1))
+        values[vid] = (head.group(2), [p for p, _ in positions], uses)
+        for p, index in positions:
+            at[(p, index or "{}")].append(vid)
+
+    parent = {}
+
+    def find(x):
+        while parent.get(x, x) != x:
+            parent[x] = parent.get(parent[x], parent[x])
+            x = parent[x]
+        return x
+
+    def union(a, b):
+        parent[find(a)] = find(b)
+
+    params_of = {c: [n for n, op, *_ in rows if op == "parameter"] for c, rows in computations.items()}
+    loop_key = {}
+    for rows in computations.values():
+        for name, opcode, called, operands, _ in rows:
+            if opcode == "while":
+                condition, body = called
+                for member in [name, operands[0], roots[body]] + params_of[body] + params_of[condition]:
+                    loop_key[member] = name
+    for (position, index), vids in at.items():
+        if position in loop_key:
+            for vid in vids:
+                union(vid, ("loop", loop_key[position], index))
+    for name, (_, _, operands, aliasing) in instructions.items():
+        for out_index, operand, in_index in aliasing:
+            if int(operand) < len(operands):
+                sources = at.get((operands[int(operand)], "{" + in_index + "}"), [])
+                for vid in at.get((name, "{" + out_index + "}"), []) + sources[:1]:
+                    for source in sources[:1]:
+                        union(vid, source)
+    for vid, (allocation, _) in parameter_allocation.items():
+        union(vid, ("parameter", allocation))
+
+    groups = collections.defaultdict(list)
+    for vid in values:
+        if vid in size:
+            groups[find(vid)].append(vid)
+    buffers = []
+    for vids in groups.values():
+        times = [time[p] for v in vids for p in values[v][1] + values[v][2] if p in time]
+        if not times:
+            continue
+        first = values[vids[0]][0]
+        params = [parameter_allocation[v][1] for v in vids if v in parameter_allocation]
+        start, end = (0, len(schedule) - 1) if params else (min(times), max(times))
+        buffers.append([first, shape[vids[0]], max(params) if params else max(size[v] for v in vids), start, end,
+                        computation_of.get(first, "?"), bool(params)])
+    _share_in_place(buffers, instructions, time)
+
+    delta = [0] * (len(schedule) + 1)
+    for b in buffers:
+        delta[b[3]] += b[2]
+        delta[b[4] + 1] -= b[2]
+    live, total = [], 0
+    for step in delta[:-1]:
+        total += step
+        live.append(total)
+    peak_at = max(range(len(live)), key=live.__getitem__)
+    frozen = tuple(Buffer(*b) for b in buffers)
+    return Replay(live[peak_at], peak_at, schedule[peak_at], computation_of[schedule[peak_at]],
+                  sum(b.size for b in frozen if b.parameter), frozen, tuple(live), tuple(schedule), computation_of)
+
+
+def _share_in_place(buffers: list, instructions: dict, time: dict) -> None:
+    """An output written over a same-sized operand whose last use is its instruction: the operand's buffer ends
+    just before (the compiler reuses it)."""
+    by_name = collections.defaultdict(list)
+    for b in buffers:
+        by_name[b[0]].append(b)
+    for b in buffers:
+        if b[6] or b[0] not in time or time[b[0]] != b[3]:
+            continue
+        for operand in instructions[b[0]][2]:
+            shared = next((u for u in by_name.get(operand, []) if u is not b and not u[6] and u[4] == b[3]
+                           and u[2] == b[2] and u[3] < b[3]), None)
+            if shared:
+                shared[4] = b[3] - 1
+                break
+
+
+def summary(result: Replay, top: int = 12, time: int | None = None) -> dict:
+    """``{peak_bytes, arguments, instruction, computation, largest: [[name, shape, bytes, computation], ...]}``
+    at the peak (or at ``time``)."""
+    time = result.peak_at if time is None else time
+    live = [b for b in result.live_at(time) if not b.parameter]
+    return {"peak_bytes": result.live[time], "arguments": result.arguments,
+            "instruction": result.schedule[time], "computation": result.computation_of[result.schedule[time]],
+            "largest": [[b.name, b.shape, b.size, b.computation] for b in live[:top]]}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dump", help="the --xla_dump_to directory of one compiled step")
+    parser.add_argument("--module", default="jit_step", help="the dumped module's name (default jit_step)")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--within", help="the largest moment inside computations matching this regular expression")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = replay(args.dump, args.module)
+    report = summary(result, args.top, result.peak_within(args.within) if args.within else None)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return report
+    mib = 2**20
+    print(f"{report['peak_bytes'] / 2**30:.3f} GiB live at {report['instruction']} ({report['computation']}); "
+          f"arguments {report['arguments'] / 2**30:.3f} GiB; {len(result.schedule)} instructions")
+    for name, buffer_shape, nbytes, computation in report["largest"]:
+        print(f"  {nbytes / mib:9.1f} MiB  {buffer_shape:32s} {name:44s} {computation}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
