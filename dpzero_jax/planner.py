@@ -16,13 +16,13 @@
 * **activations** (``remat='none'``; :func:`activation_bytes_per_token`): the residuals the backward keeps per
   token of the per-device batch, without recomputation, as the TPU compiler keeps them for the project's models.
 * **temporaries** (``remat='block'``; :mod:`dpzero_jax.step_memory`): the named buffers of the compiled ZeRO-3
-  step with the models' block remat -- the scan's saved block inputs and stacked block gradients, plus the largest
-  of one block's backward (gathered weights, their gradient, attention probabilities, activations), the LM head
-  (gathered table, logits) and, for a ``d``-sharded table with a data axis, its whole gradients; with the DP
-  step's extra buffers (its float32 clipped sums -- the privatized sum is never rounded to half precision -- stacked,
-  a block's unsharded and the LM head's; a tied table's per-example gradients where ghost book-keeps it). For the
-  non-private steps within 10% of the TPU compiler's bytes for GPT-2 XL and Llama-2-7B on 256 chips, not for
-  GPT-J-6B (0.79), 0.72-1.16 on other shapes; for the DP steps 0.75-1.29 (``docs/planner.md``).
+  step with the models' block remat at the largest of its moments -- the LM head (gathered table or activations,
+  logits, the head's gradient), one block's backward at its attention or its weight gradients (probabilities,
+  activations, the largest matrix gathered and its gradients) with the scan's saved block inputs, stacked fp32
+  gradients and the head's held gradient, or a ``d``-sharded table's whole gradients after the blocks -- with the
+  DP step's extra buffers (its float32 sums -- the privatized sum is never rounded to half precision -- and what
+  its second pass keeps). Within 10% of the TPU compiler's peak on 31 of 32 compiled steps (0.91-1.08;
+  ``docs/planner.md``).
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,
   Appendix A): ``min(2 T^2, rows * cols)`` fp32 numbers per example -- the two ``T x T`` Grams ``A A^T`` and
   ``G G^T`` of the ghost norm, or the instantiated ``rows x cols`` per-example gradient -- with ``T`` the positions
@@ -447,8 +447,8 @@ def format_compiled(plan: MemoryPlan, compiled: list) -> str:
     lines = [f"compiled for {first.target} ({first.devices} devices, mesh {first.mesh}{memory}); bytes per device "
              "from memory_analysis()",
              f"{'step':<12} {'arguments':>10} {'temporaries':>12} {'total':>10} {'peak':>10} {'plan':>10} "
-             f"{'plan/total':>11}  fits",
-             "-" * 87]
+             f"{'plan/total':>11} {'plan/peak':>10}  fits",
+             "-" * 98]
     for c in compiled:
         name = "DP (auto)" if c.private else "non-DP"
         planned = plan.total if c.private else plan.total_non_dp
@@ -459,14 +459,15 @@ def format_compiled(plan: MemoryPlan, compiled: list) -> str:
             continue
         fits = {True: "yes", False: "NO", None: "-"}[c.fits]
         peak = "-" if c.peak_bytes is None else f"{c.peak_bytes / GiB:.3f}"
+        of_peak = "-" if c.peak_bytes is None else f"{planned / c.peak_bytes:.2f}"
         lines.append(f"{name:<12} {c.argument_bytes / GiB:>10.3f} {c.temp_bytes / GiB:>12.3f} "
                      f"{c.total_bytes / GiB:>10.3f} {peak:>10} {planned / GiB:>10.3f} "
-                     f"{planned / c.total_bytes:>11.2f}  {fits}")
+                     f"{planned / c.total_bytes:>11.2f} {of_peak:>10}  {fits}")
     lines.append("total: arguments + temporaries + outputs not aliased to donated arguments; peak: the compiler's "
-                 "high-water mark of live bytes (a TPU's temporaries also count on-chip scratch); the plan's totals "
-                 "are estimates (docs/planner.md). fits: for a TPU topology the compiler's verdict (it refuses a "
-                 "step whose buffers exceed the chip's usable HBM, v5e 15.75 of 16 GiB); for a local device, total "
-                 "<= its memory")
+                 "high-water mark of live bytes, what the chip must hold (a TPU's temporaries also count on-chip "
+                 "scratch); the plan's totals are estimates of the peak (docs/planner.md). fits: for a TPU "
+                 "topology the compiler's verdict (it refuses a step whose buffers exceed the chip's usable HBM, "
+                 "v5e 15.75 of 16 GiB); for a local device, total <= its memory")
     return "\n".join(lines)
 
 

@@ -56,10 +56,10 @@ trained) the same buffers with the adapters' parameters ``p_a`` in the stacked g
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 36 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B, LoRA on Llama-2-70B,
-shapes held out from it, and the Mistral / Llama-3 / Qwen2 / Gemma presets): 0.91-1.08 of the compiler's peak on
-35, 1.14 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state rows count the table's 16-bit
-copy and gradient shard, which the compiled step does not hold at its peak).
+``docs/planner.md`` compares the model with 32 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a
+Llama-2-70B shape on 128-256 chips, smaller shapes of them, the Mistral / Llama-3 / Qwen2 / Gemma presets): 0.91-1.08
+of the compiler's peak on 31, 1.14 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state rows
+count the table's 16-bit copy and gradient shard, which the compiled step does not hold at its peak).
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
