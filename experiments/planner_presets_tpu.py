@@ -1,9 +1,10 @@
 """The planner's Llama-family presets against the TPU compiler: ``dpzero plan --compile`` for each, on one slice.
 
-For each preset (default: Mistral-7B, Llama-3-8B, Qwen2-7B, Gemma-7B -- none of them used to design the planner's
-formulas) the plan and the compiled non-private and DP steps (:func:`dpzero_jax.planner.compile_plan`: the trainer's
-ZeRO step, remat ``block``, one sequence per chip) on ``--topology`` (default v5e:16x16, 256 chips, fsdp over all of
-them), printed as a table and written as JSON. Needs libtpu (the ``tpu-aot`` extra, its own environment)::
+For each preset (default: Mistral-7B, Llama-3-8B, Qwen2-7B, Gemma-7B; held out of the planner's formulas until
+2026-11-30, when Gemma-7B's and Llama-3-8B's dumps showed the vocabulary-sharded head's moments) the plan and the
+compiled non-private and DP steps (:func:`dpzero_jax.planner.compile_plan`: the trainer's ZeRO step, remat
+``block``, one sequence per chip) on ``--topology`` (default v5e:16x16, 256 chips, fsdp over all of them), printed
+as a table and written as JSON. Needs libtpu (the ``tpu-aot`` extra, its own environment)::
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 /work/venv-tpu/bin/python \\
         experiments/planner_presets_tpu.py [--models mistral-7b,gemma-7b] [--seq 2048]
