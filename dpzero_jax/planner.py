@@ -78,7 +78,6 @@ from dpzero_jax.step_memory import (
     largest_phase,
     non_private,
     peak_bytes,
-    phase_totals,
 )
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -206,15 +205,13 @@ class MemoryPlan:
     def _block_rows(self, stage: str, half: bool, partition: str) -> list[tuple[str, int, str]]:
         """remat='block': the model states, then the compiled step's buffers by phase (step_memory)."""
         non_dp = non_private(self.temporaries)
-        totals, totals_dp = phase_totals(non_dp), phase_totals(self.temporaries)
         rows = self._state_rows(half, partition)
         for term in (t for t in self.temporaries if t.bytes):       # the buffers this step has
             rows.append((f"  {term.name}", term.bytes, f"{term.formula}  [{term.phase}]"))
         rows += [
-            ("temporaries", self.activations, f"always {_gib(totals['always'])} + largest: "
-                                              f"{largest_phase(non_dp)}"),
-            ("DP extra", self.dp_extra, f"DP step: always {_gib(totals_dp['always'])} + largest: "
-                                        f"{largest_phase(self.temporaries)}; less the non-DP temporaries"),
+            ("temporaries", self.activations, f"the largest moment: {largest_phase(non_dp)}"),
+            ("DP extra", self.dp_extra, f"DP step's largest moment: {largest_phase(self.temporaries)}; less the "
+                                        "non-DP temporaries"),
             ("total", self.total, f"ZeRO-{self.zero}: {stage}; non-DP {_gib(self.total_non_dp)}"),
         ]
         return rows
