@@ -30,26 +30,29 @@ per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F``
   logits' gradient ``c b T V`` and the head's gradient formed whole, ``c V d``.
 * **held** through the blocks' backward to the update: the head's gradient, whole (``c V d``) when the table is
   whole, reduce-scattered by a windowed einsum (``c V d / F``) when a ``d``-sharded table is split at most 32 ways
-  (the compiler's choice, seen at ``F`` = 16 and 32 and not at 64); with the activations gathered, a tied table
-  keeps the logits' gradient and the activations for the lookup's part, ``c b T V + c N b T d``, an untied head
-  nothing.
+  (the compiler's choice, seen at ``F`` = 16 and 32 and not at 64); with the activations gathered, the logits'
+  gradient and the activations, ``c b T V + c N b T d`` (a tied table's lookup part, and the GPT-2 family's untied
+  head), a Llama-family untied head nothing.
 * **block** (one block's backward, rebuilt): at its *attention*, the probabilities (GPT-2: the probabilities and
   their gradient, ``2 c b h T^2``; Llama's ``jax.nn.dot_product_attention``: fp32 probabilities and their cast,
   ``(4 + c) b h T^2``), half the block's activations ``b T c x / 2`` and the largest matrix twice (gathered, and
   its gradient), ``2 c W``; at its *weights*, Llama's fp32 probabilities still live (``4 b h T^2``), half the
-  activations and the largest matrix four times (gathered, its gradient and the reduction's buffers), ``4 c W``.
+  activations and the largest matrix four times (gathered, its gradient and the reduction's buffers), ``4 c W`` --
+  twice, ``2 c W``, on at most 32 devices, where the compiler gathers and reduce-scatters the block's matrices in
+  windowed einsums.
 * **table gradient** (after the blocks): a ``d``-sharded trained table with a data axis (``R > 1``) gets the
   lookup's scatter-add and the head's gradient as whole tables, ``2 c V d``, beside the held one.
 
-The DP step (``private_value_and_grad``, ghost clipping in two passes under remat, ``norm_method`` the TPU's time
-rule) sums in float32 (never rounded before the noise, ``docs/privacy.md``): the largest matrix's sums are fp32,
-``8 W`` at the attention and ``16 W`` at the weights (``(8 - 2 c) W`` and ``(16 - 4 c) W`` more); the head's held
-sum is fp32, ``4 V d`` whole (``/ F`` windowed), and a vocabulary-sharded table's sum is all-reduced whole at the
-end beside it (``4 V d``); with the activations gathered, an untied head's second pass keeps the logits' gradient
-and the activations (``c b T V + c N b T d``), and a tied table that book-keeps (:func:`tied_table_weighted`) holds
-its per-example gradients of all ``R b`` sequences and two per-site sums, ``4 R b V d + 16 V d / F``; a
-``d``-sharded table that book-keeps forms its per-example gradients and sum in the LM head, ``4 (b + 1) V d``. The
-stacked fp32 sums are the same buffers as the non-private step's fp32 stacked gradients.
+The DP step (``private_value_and_grad``, ghost clipping in two passes under remat, ``norm_method`` the TPU's time rule)
+sums in float32 (never rounded before the noise, ``docs/privacy.md``): on more than 32 devices the largest matrix's sums
+are all-reduced whole in fp32, ``8 W`` at the attention and ``16 W`` at the weights (``(8 - 2 c) W`` and ``(16 - 4 c)
+W`` more; on fewer they are reduce-scattered and add nothing at the peak); the head's held sum is fp32, ``4 V d`` whole
+(``/ F`` windowed), and a vocabulary-sharded table's sum is all-reduced whole at the end beside it (``4 V d``); with the
+activations gathered, an untied head's second pass keeps the logits' gradient and the activations (``c b T V + c N b T
+d``, where the non-private step does not already), and a tied table that book-keeps (:func:`tied_table_weighted`) holds
+its per-example gradients of all ``R b`` sequences and two per-site sums, ``4 R b V d + 16 V d / F``; a ``d``-sharded
+table that book-keeps forms its per-example gradients and sum in the LM head, ``4 (b + 1) V d``. The stacked fp32 sums
+are the same buffers as the non-private step's fp32 stacked gradients.
 
 With LoRA (``lora_rank``; the base frozen, the adapters of :func:`~dpzero_jax.decoder_shapes.lora_weights`
 trained) the same buffers with the adapters' parameters ``p_a`` in the stacked gradients; the frozen base is still
@@ -110,7 +113,7 @@ def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: in
     gathered = zero == 3 and shards > 1
     d_sharded = table_sharded_along_d(config, shards)
     whole = not gathered or d_sharded or config.vocab <= shards * replicas * b * t
-    return HeadLayout(gathered, d_sharded, whole, gathered and d_sharded and shards <= WINDOWED_EINSUM_MAX_SHARDS)
+    return HeadLayout(gathered, d_sharded, whole, gathered and whole and shards <= WINDOWED_EINSUM_MAX_SHARDS)
 
 
 def block_parameters(config: DecoderConfig, lora_rank: int = 0) -> int:
@@ -150,19 +153,19 @@ def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
     return shard_axis((config.vocab, config.d_model), shards) == 1
 
 
-def head_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, layout: HeadLayout, trained: bool
-               ) -> list[Term]:
+def head_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, replicas: int, layout: HeadLayout,
+               trained: bool) -> list[Term]:
     """The LM head's three phases (module docstring)."""
     v, d = config.vocab, config.d_model
     table = c * v * d if layout.gathered and layout.whole else 0
-    vocab_table = table if not layout.d_sharded else 0
     return [
         Term("embedding table + LM head, gathered", "LM head: table", 2 * table, "2 c V d (the table gathered)"),
         Term("table or activations gathered for the head", "LM head: logits",
              table if layout.whole else c * n * b * t * d, "c V d (the table gathered), else c N b T d"),
         Term("logits, two copies", "LM head: logits", 2 * c * b * t * v, "2 c b T V"),
-        Term("vocabulary-sharded table, gathered", "LM head: gradient", vocab_table,
-             "c V d (a vocabulary-sharded table gathered)"),
+        Term("table gathered (as for the logits)", "LM head: gradient",
+             0 if layout.d_sharded and replicas > 1 else table,
+             "c V d (the table gathered; released first with a data axis, R > 1)"),
         Term("logits gradient", "LM head: gradient", c * b * t * v, "c b T V"),
         Term("LM head gradient, formed whole", "LM head: gradient",
              c * v * d if trained and layout.whole and not layout.windowed else 0, "c V d (the table whole)"),
@@ -177,17 +180,20 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
     if not trained:
         return Term(name, "held", 0, "0 (frozen)")
     if layout.windowed:
-        return Term(name, "held", c * -(-v * d // shards), "c V d / F (d-sharded, F <= 32: reduce-scattered)")
+        return Term(name, "held", c * -(-v * d // shards), "c V d / F (F <= 32: reduce-scattered)")
     if layout.whole:
         return Term(name, "held", c * v * d, "c V d (the table whole)")
-    if config.tied:
-        return Term(name, "held", c * b * t * v + c * n * b * t * d, "c b T V + c N b T d (tied)")
-    return Term(name, "held", 0, "0 (untied, activations gathered)")
+    if config.tied or config.family == "gpt2":
+        return Term(name, "held", c * b * t * v + c * n * b * t * d, "c b T V + c N b T d (GPT-2 family or tied)")
+    return Term(name, "held", 0, "0 (a Llama-family untied head, activations gathered)")
 
 
-def block_terms(config: DecoderConfig, b: int, t: int, c: int) -> list[Term]:
-    """One block's backward, rebuilt, at its attention and at its weight gradients (module docstring)."""
+def block_terms(config: DecoderConfig, b: int, t: int, c: int, windowed: bool) -> list[Term]:
+    """One block's backward, rebuilt, at its attention and at its weight gradients (module docstring);
+    ``windowed``: ZeRO-3 over at most 32 devices, where the compiler gathers and reduce-scatters a block's matrices
+    in windowed einsums (two copies of the largest at its weights, not four)."""
     h, w, x = config.n_head, largest_block_matrix(config), per_token_block_numbers(config)
+    copies = 2 if windowed else 4
     at_attention, residue = attention_bytes(config, c)
     return [
         Term("attention probabilities (+ gradient)", "block: attention", b * h * t * t * at_attention,
@@ -197,8 +203,8 @@ def block_terms(config: DecoderConfig, b: int, t: int, c: int) -> list[Term]:
         Term("attention probabilities, fp32, through the block", "block: weights", b * h * t * t * residue,
              "b h T^2 x (GPT-2: 0; Llama: 4)"),
         Term("block activations, half", "block: weights", b * t * c * x // 2, "b T c x / 2"),
-        Term("largest block matrix, four times (gathered, gradient, reduction)", "block: weights", 4 * c * w,
-             "4 c W"),
+        Term("largest block matrix, gathered, gradient (and reduction)", "block: weights", copies * c * w,
+             "4 c W (2 c W on at most 32 devices)"),
     ]
 
 
@@ -219,9 +225,9 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
         Term("stacked block gradients, fp32, beyond the gradients row", "backward",
              (4 - c) * -(-layers * p_g // shards), f"(4 - c) ceil(L {g} / F)"),
         Term("block inputs (scan carries)", "carried", layers * b * t * d * c, "L b T d c"),
-        *head_terms(config, b, t, c, n, layout, trained),
+        *head_terms(config, b, t, c, n, replicas, layout, trained),
         held,
-        *block_terms(config, b, t, c),
+        *block_terms(config, b, t, c, layout.gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS),
         Term("lookup + head table gradients, whole, compute precision", "table gradient", table_gradient,
              "2 c V d (d-sharded trained table, R > 1)"),
     ]
@@ -236,11 +242,12 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
     where the non-private step's gradients are at ``c`` bytes, and what its second pass keeps."""
     v, d, w = config.vocab, config.d_model, largest_block_matrix(config)
     booked = config.tied and not tied_table_weighted(config, b, t, c)
+    whole_sums = not (layout.gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS)   # else reduce-scattered
     terms = [
-        Term("DP: largest block matrix's sums in fp32, at the attention", "block: attention", (8 - 2 * c) * w,
-             "(8 - 2 c) W"),
-        Term("DP: largest block matrix's sums in fp32, at the weights", "block: weights", (16 - 4 * c) * w,
-             "(16 - 4 c) W"),
+        Term("DP: largest block matrix's sums in fp32, at the attention", "block: attention",
+             (8 - 2 * c) * w if whole_sums else 0, "(8 - 2 c) W (more than 32 devices)"),
+        Term("DP: the block's matrices' sums in fp32, at the weights", "block: weights",
+             (14 - 4 * c) * w if whole_sums else 0, "(14 - 4 c) W (more than 32 devices)"),
     ]
     if layout.whole:
         share = -(-v * d // shards) if layout.windowed else v * d
@@ -248,13 +255,15 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
             Term("DP: LM head's clipped sum, fp32, held", "held", (4 - c) * share,
                  "(4 - c) V d (/ F when reduce-scattered)"),
             Term("DP: LM head's clipped sum, fp32, all-reduced whole at the end", "table gradient",
-                 0 if layout.d_sharded else 4 * v * d, "4 V d (a vocabulary-sharded table)"),
+                 0 if layout.d_sharded or layout.windowed else 4 * v * d,
+                 "4 V d (a vocabulary-sharded table, more than 32 devices)"),
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
                  4 * (b + 1) * v * d if booked else 0, "4 (b + 1) V d (tied and book-kept)"),
         ]
     elif not config.tied:
         terms.append(Term("DP: logits gradient + gathered activations, held for the second pass", "held",
-                          c * b * t * v + c * n * b * t * d, "c b T V + c N b T d"))
+                          max(0, c * b * t * v + c * n * b * t * d - held),
+                          "c b T V + c N b T d, less the non-private step's"))
     elif booked:
         kept = 4 * replicas * b * v * d + 16 * -(-v * d // shards)
         terms.append(Term("DP: tied table's per-example gradients (book-kept) + per-site sums, fp32, held", "held",

@@ -353,7 +353,7 @@ def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
 
 
 def test_block_remat_windowed_head_and_gathered_activations_counted_by_hand():
-    """Two other head layouts. GPT-2 XL's 12 layers on 32 chips (fsdp 32, T 1024): the ``d``-sharded table's
+    """Other head layouts. GPT-2 XL's 12 layers on 32 chips (fsdp 32, T 1024): the ``d``-sharded table's
     gradient is reduce-scattered by the compiler's windowed einsum (``F <= 32``), so the head holds ``2 V d / 32``
     and the DP step's sum ``4 V d / 32``, not the whole table. A 2-block Llama (d 2048, V 32000) on 4 chips (T
     2048): the vocabulary-sharded table is larger than the devices' activations (``V > N b T = 8192``), so the
@@ -366,6 +366,20 @@ def test_block_remat_windowed_head_and_gathered_activations_counted_by_hand():
     assert terms["LM head gradient (or what forms it), held to the update"] == 2 * -(-v * d // 32)
     assert terms["DP: LM head's clipped sum, fp32, held"] == 2 * -(-v * d // 32)
     assert terms["LM head gradient, formed whole"] == 0
+    # at most 32 devices the block's matrices are gathered and reduce-scattered in windowed einsums: two copies of
+    # the largest at its weights, and the DP step's fp32 sums are never whole matrices
+    assert terms["largest block matrix, gathered, gradient (and reduction)"] == 2 * 2 * d * 4 * d
+    assert terms["DP: largest block matrix's sums in fp32, at the weights"] == 0
+    assert terms["DP: largest block matrix's sums in fp32, at the attention"] == 0
+    # GPT-J's 4 layers on 16 chips: vocabulary-sharded (50400 = 16 x 3150) and larger than the chips' activations
+    # (16 x 2048 tokens): the untied GPT-2-family head keeps the logits' gradient and the gathered activations to
+    # the update in the non-private step already, so the DP step's second pass adds nothing to them
+    gptj = dataclasses.replace(planner.resolve_model("gpt-j-6b"), n_layer=4)
+    plan = planner.plan_memory(gptj, 16, 16, 2048, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    kept = 2 * 2048 * 50400 + 2 * 16 * 2048 * 4096
+    assert terms["LM head gradient (or what forms it), held to the update"] == kept
+    assert terms["DP: logits gradient + gathered activations, held for the second pass"] == 0
     llama = planner.DecoderConfig("two-block", 2, 2048, 16, 32000, 4096, d_ff=5504, tied=False, family="llama")
     plan = planner.plan_memory(llama, 4, 4, 2048, "bf16", 3, remat="block")
     terms = {term.name: term.bytes for term in plan.temporaries}
