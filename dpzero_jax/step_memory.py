@@ -26,13 +26,14 @@ per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F``
   (``V <= N b T``), is gathered whole and the head runs on each device's tokens; a larger vocabulary-sharded table
   stays sharded and the devices' activations are gathered instead (``c N b T d``), each device computing its
   ``V / F`` rows for every sequence. *table*: the lookup's gather and the table, ``2 c V d``; *logits*: the table
-  (or the activations) and two logits-sized buffers, ``2 c b T V``; *gradient*: a vocabulary-sharded table, the
-  logits' gradient ``c b T V`` and the head's gradient formed whole, ``c V d``.
+  (or the activations) and two logits-sized buffers, ``2 c b T V``; *gradient*: the table (released first with a
+  data axis), the logits' gradient ``c b T V`` and the head's gradient formed whole, ``c V d`` (not on at most 32
+  devices: reduce-scattered as it is formed).
 * **held** through the blocks' backward to the update: the head's gradient, whole (``c V d``) when the table is
-  whole, reduce-scattered by a windowed einsum (``c V d / F``) when a ``d``-sharded table is split at most 32 ways
-  (the compiler's choice, seen at ``F`` = 16 and 32 and not at 64); with the activations gathered, the logits'
-  gradient and the activations, ``c b T V + c N b T d`` (a tied table's lookup part, and the GPT-2 family's untied
-  head), a Llama-family untied head nothing.
+  whole, reduce-scattered by a windowed einsum (``c V d / F``) when the table is split at most 32 ways (the
+  compiler's choice, seen at ``F`` = 16 and 32 and not at 64); with the activations gathered, the logits' gradient
+  and the activations, ``c b T V + c N b T d`` (a tied table's lookup part, and the GPT-2 family's untied head), a
+  Llama-family untied head nothing.
 * **block** (one block's backward, rebuilt): at its *attention*, the probabilities (GPT-2: the probabilities and
   their gradient, ``2 c b h T^2``; Llama's ``jax.nn.dot_product_attention``: fp32 probabilities and their cast,
   ``(4 + c) b h T^2``), half the block's activations ``b T c x / 2`` and the largest matrix twice (gathered, and
@@ -44,25 +45,30 @@ per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F``
   lookup's scatter-add and the head's gradient as whole tables, ``2 c V d``, beside the held one.
 
 The DP step (``private_value_and_grad``, ghost clipping in two passes under remat, ``norm_method`` the TPU's time rule)
-sums in float32 (never rounded before the noise, ``docs/privacy.md``): on more than 32 devices the largest matrix's sums
-are all-reduced whole in fp32, ``8 W`` at the attention and ``16 W`` at the weights (``(8 - 2 c) W`` and ``(16 - 4 c)
-W`` more; on fewer they are reduce-scattered and add nothing at the peak); the head's held sum is fp32, ``4 V d`` whole
-(``/ F`` windowed), and a vocabulary-sharded table's sum is all-reduced whole at the end beside it (``4 V d``); with the
-activations gathered, an untied head's second pass keeps the logits' gradient and the activations (``c b T V + c N b T
-d``, where the non-private step does not already), and a tied table that book-keeps (:func:`tied_table_weighted`) holds
-its per-example gradients of all ``R b`` sequences and two per-site sums, ``4 R b V d + 16 V d / F``; a ``d``-sharded
-table that book-keeps forms its per-example gradients and sum in the LM head, ``4 (b + 1) V d``. The stacked fp32 sums
-are the same buffers as the non-private step's fp32 stacked gradients.
+sums in float32 (never rounded before the noise, ``docs/privacy.md``): on more than 32 devices a block's matrices' sums
+are all-reduced whole in fp32 -- the largest's twice at the attention, ``8 W``, and three to four matrices of up to its
+size at the weights (GPT-J-6B's three ``[16384, 4096]``, one ``[4096, 12288]`` and one ``[4096, 4096]``; counted ``3.5 x
+4 W = 14 W``), ``(8 - 2 c) W`` and ``(14 - 4 c) W`` more than the non-private step's; on at most 32 they are
+reduce-scattered and add nothing at the peak. The head's held sum is fp32, ``4 V d`` whole (``/ F`` reduce-scattered),
+and on more than 32 devices a vocabulary-sharded table's sum is all-reduced whole at the end beside it (``4 V d``); with
+the activations gathered, a Llama-family untied head's second pass keeps the logits' gradient and the activations (``c b
+T V + c N b T d``), a GPT-2-family one only the logits' gradient (the non-private step keeps both: ``- c N b T d``), and
+a tied table that book-keeps (:func:`tied_table_weighted`) holds its per-example gradients of all ``R b`` sequences and
+two per-site sums, ``4 R b V d + 16 V d / F``; a ``d``-sharded table that book-keeps forms its per-example gradients and
+sum in the LM head, ``4 (b + 1) V d``. The stacked fp32 sums are the same buffers as the non-private step's fp32 stacked
+gradients.
 
 With LoRA (``lora_rank``; the base frozen, the adapters of :func:`~dpzero_jax.decoder_shapes.lora_weights`
 trained) the same buffers with the adapters' parameters ``p_a`` in the stacked gradients; the frozen base is still
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 32 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a
-Llama-2-70B shape on 128-256 chips, smaller shapes of them, the Mistral / Llama-3 / Qwen2 / Gemma presets): 0.91-1.08
-of the compiler's peak on 31, 1.14 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state rows
-count the table's 16-bit copy and gradient shard, which the compiled step does not hold at its peak).
+``docs/planner.md`` compares the model with 44 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
+shape on 128-256 chips, smaller shapes of them on 4-64 chips, the Mistral / Llama-3 / Qwen2 / Gemma presets), 42 of them
+read to write it (Mistral-7B's and Qwen2-7B's were not): 0.91-1.09 of the compiler's peak on 43, 1.11 on a 2-block GPT-2
+whose table is 57% of its parameters (the model-state rows count the table's 16-bit copy and gradient shard, which the
+compiled step does not hold at its peak). Shapes compiled after their predictions were written were within 10% on 4 of
+12 steps before the refits they led to (-17% to +29%): the compiler's choices change with the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
@@ -260,6 +266,10 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
                  4 * (b + 1) * v * d if booked else 0, "4 (b + 1) V d (tied and book-kept)"),
         ]
+    elif not config.tied and config.family == "gpt2":
+        # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
+        terms.append(Term("DP: gathered activations not held (the second pass keeps the logits' gradient only)",
+                          "held", -min(held, c * n * b * t * d), "- c N b T d"))
     elif not config.tied:
         terms.append(Term("DP: logits gradient + gathered activations, held for the second pass", "held",
                           max(0, c * b * t * v + c * n * b * t * d - held),

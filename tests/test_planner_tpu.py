@@ -67,7 +67,7 @@ def test_planner_against_a_tpu_compiled_step(small_llama):
     """Model states: the planner's ``optimizer state`` row (fp32 master + two moments, ``12 Psi / F``) is the
     compiled step's arguments (fp32 parameters + two moments; the batch, key and step counter add < 0.1%). Total
     (model states + temporaries [+ DP extra]) against the compiler's high-water mark (``peak_memory_in_bytes``):
-    within 10% (measured 1.07 non-DP, 1.08 DP with the block-remat model read from the compiler's liveness,
+    within 10% (measured 1.07 non-DP, 1.05 DP with the block-remat model read from the compiler's liveness,
     2026-11-30; the model before it was at 1.42 / 1.43). The replayed liveness of the dumped program
     (``experiments/hlo_liveness.py``, loop bodies included) reaches the compiler's peak within 2% (1.006 / 1.000),
     inside the scan's loop body (a block's backward), where Llama's fp32 attention probabilities ``f32[1, 16, 2048,
