@@ -68,7 +68,8 @@ shape on 128-256 chips, smaller shapes of them on 4-64 chips, the Mistral / Llam
 read to write it (Mistral-7B's and Qwen2-7B's were not): 0.91-1.09 of the compiler's peak on 43, 1.11 on a 2-block GPT-2
 whose table is 57% of its parameters (the model-state rows count the table's 16-bit copy and gradient shard, which the
 compiled step does not hold at its peak). Shapes compiled after their predictions were written were within 10% on 4 of
-12 steps before the refits they led to (-17% to +29%): the compiler's choices change with the shape.
+12 steps before the refits they led to and on 3 of 4 after the last (-17% to +29%): the compiler's choices change with
+the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
