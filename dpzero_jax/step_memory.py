@@ -89,7 +89,7 @@ PHASES = ("always", "backward", "carried", "LM head: table", "LM head: logits", 
           "block: attention", "block: weights", "table gradient")
 HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
 BLOCK_PHASES = ("block: attention", "block: weights")
-WINDOWED_EINSUM_MAX_SHARDS = 32   # a d-sharded head's gradient is reduce-scattered in a windowed einsum up to here
+WINDOWED_EINSUM_MAX_SHARDS = 32   # up to here the compiler gathers and reduce-scatters in windowed einsums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +107,8 @@ class Term:
 class HeadLayout:
     """Where the LM head runs (module docstring): ``gathered`` (ZeRO-3 over more than one device: the table is
     gathered or the activations are), ``d_sharded`` (the table split along ``d``), ``whole`` (the head runs on each
-    device's tokens with the whole table), ``windowed`` (a ``d``-sharded head's gradient reduce-scattered by a
-    windowed einsum, ``F <= 32``)."""
+    device's tokens with the whole table), ``windowed`` (ZeRO-3 over at most 32 devices: the compiler gathers and
+    reduce-scatters in windowed einsums -- a whole table's head gradient and the blocks' matrices)."""
 
     gathered: bool
     d_sharded: bool
@@ -117,10 +117,12 @@ class HeadLayout:
 
 
 def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: int, zero: int) -> HeadLayout:
+    """The layout of ``config``'s head with ``b`` sequences of ``t`` tokens per device on ``shards x replicas``
+    devices at ZeRO stage ``zero``."""
     gathered = zero == 3 and shards > 1
     d_sharded = table_sharded_along_d(config, shards)
     whole = not gathered or d_sharded or config.vocab <= shards * replicas * b * t
-    return HeadLayout(gathered, d_sharded, whole, gathered and whole and shards <= WINDOWED_EINSUM_MAX_SHARDS)
+    return HeadLayout(gathered, d_sharded, whole, gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS)
 
 
 def block_parameters(config: DecoderConfig, lora_rank: int = 0) -> int:
@@ -186,7 +188,7 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
     name = "LM head gradient (or what forms it), held to the update"
     if not trained:
         return Term(name, "held", 0, "0 (frozen)")
-    if layout.windowed:
+    if layout.windowed and layout.whole:
         return Term(name, "held", c * -(-v * d // shards), "c V d / F (F <= 32: reduce-scattered)")
     if layout.whole:
         return Term(name, "held", c * v * d, "c V d (the table whole)")
@@ -234,7 +236,7 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
         Term("block inputs (scan carries)", "carried", layers * b * t * d * c, "L b T d c"),
         *head_terms(config, b, t, c, n, replicas, layout, trained),
         held,
-        *block_terms(config, b, t, c, layout.gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS),
+        *block_terms(config, b, t, c, layout.windowed),
         Term("lookup + head table gradients, whole, compute precision", "table gradient", table_gradient,
              "2 c V d (d-sharded trained table, R > 1)"),
     ]
@@ -249,7 +251,7 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
     where the non-private step's gradients are at ``c`` bytes, and what its second pass keeps."""
     v, d, w = config.vocab, config.d_model, largest_block_matrix(config)
     booked = config.tied and not tied_table_weighted(config, b, t, c)
-    whole_sums = not (layout.gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS)   # else reduce-scattered
+    whole_sums = not layout.windowed        # on at most 32 devices the sums are reduce-scattered as formed
     terms = [
         Term("DP: largest block matrix's sums in fp32, at the attention", "block: attention",
              (8 - 2 * c) * w if whole_sums else 0, "(8 - 2 c) W (more than 32 devices)"),
