@@ -155,7 +155,8 @@ def replay(directory: str, module: str = "jit_step") -> Replay:
             time[name], computation_of[name] = len(schedule), computation
             schedule.append(name)
     flatten(entry)
-    instructions = {name: row for rows in computations.values() for name, *row in [r for r in rows]}
+    instructions = {name: (opcode, called, operands, aliasing)
+                    for rows in computations.values() for name, opcode, called, operands, aliasing in rows}
 
     size, shape = {}, {}
     value = r"value: <(\d+) (\S+?)(?:\{[\d,]*\})?(?: \(phi\))? @(\d+)> \(size=(\d+),offset=\d+\): (\S+)"
