@@ -197,11 +197,11 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
     return Term(name, "held", 0, "0 (a Llama-family untied head, activations gathered)")
 
 
-def block_terms(config: DecoderConfig, b: int, t: int, c: int, windowed: bool) -> list[Term]:
+def block_terms(config: DecoderConfig, b: int, t: int, c: int, w: int, windowed: bool) -> list[Term]:
     """One block's backward, rebuilt, at its attention and at its weight gradients (module docstring);
     ``windowed``: ZeRO-3 over at most 32 devices, where the compiler gathers and reduce-scatters a block's matrices
-    in windowed einsums (two copies of the largest at its weights, not four)."""
-    h, w, x = config.n_head, largest_block_matrix(config), per_token_block_numbers(config)
+    in windowed einsums (two copies of the largest, ``w`` elements, at its weights, not four)."""
+    h, x = config.n_head, per_token_block_numbers(config)
     copies = 2 if windowed else 4
     at_attention, residue = attention_bytes(config, c)
     return [
@@ -226,7 +226,7 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     b, t, c = batch_per_device, seq, compute_bytes
     d, v, layers, n = config.d_model, config.vocab, config.n_layer, shards * replicas
     p_g, g = (block_parameters(config, lora_rank), "p_a") if lora_rank else (block_parameters(config), "p_l")
-    trained = not lora_rank
+    trained, w = not lora_rank, largest_block_matrix(config)
     layout = head_layout(config, b, t, shards, replicas, zero)
     held = held_term(config, b, t, c, n, shards, layout, trained)
     table_gradient = 2 * c * v * d if layout.gathered and layout.d_sharded and replicas > 1 and trained else 0
@@ -236,20 +236,20 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
         Term("block inputs (scan carries)", "carried", layers * b * t * d * c, "L b T d c"),
         *head_terms(config, b, t, c, n, replicas, layout, trained),
         held,
-        *block_terms(config, b, t, c, layout.windowed),
+        *block_terms(config, b, t, c, w, layout.windowed),
         Term("lookup + head table gradients, whole, compute precision", "table gradient", table_gradient,
              "2 c V d (d-sharded trained table, R > 1)"),
     ]
     if trained:
-        terms += dp_block_terms(config, b, t, c, n, shards, replicas, layout, held.bytes)
+        terms += dp_block_terms(config, b, t, c, n, shards, replicas, w, layout, held.bytes)
     return tuple(terms)
 
 
-def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int, replicas: int,
+def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int, replicas: int, w: int,
                    layout: HeadLayout, held: int) -> list[Term]:
     """The DP step's buffers beyond the non-private step's with ``remat='block'`` (module docstring): fp32 sums
     where the non-private step's gradients are at ``c`` bytes, and what its second pass keeps."""
-    v, d, w = config.vocab, config.d_model, largest_block_matrix(config)
+    v, d = config.vocab, config.d_model
     booked = config.tied and not tied_table_weighted(config, b, t, c)
     whole_sums = not layout.windowed        # on at most 32 devices the sums are reduce-scattered as formed
     terms = [

@@ -34,8 +34,10 @@ import glob
 import json
 import os
 import re
+import sys
 
-_CONTROL_FLOW = ("while", "conditional", "call")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_text  # noqa: E402  (a sibling module: JAX-free HLO text helpers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,46 +100,45 @@ def _closing(text: str) -> int:
 
 
 def _parse_program(text: str):
-    """``(computations {name: [(instruction, opcode, called, operands, aliasing)]}, roots, entry)``."""
-    computations, roots, entry, current = {}, {}, None, None
-    for line in text.split("\n"):
-        if not line.startswith(" "):
-            head = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
-            if head:
-                current = head.group(2)
-                computations[current] = []
-                entry = current if head.group(1) else entry
-            elif line.startswith("}"):
-                current = None
-            continue
-        found = re.match(r"^\s+(ROOT )?%(\S+) = (.*)$", line) if current else None
-        if not found:
-            continue
-        name, rest = found.group(2), found.group(3)
-        if rest.startswith("("):            # a tuple shape: skip to its closing parenthesis
-            after = rest[_closing(rest) + 1:].lstrip()
-        else:
-            after = rest.partition(" ")[2]
-        opcode = after.split("(")[0]
-        called = []
-        if opcode == "while":
-            called = [re.search(rf"{key}=%([\w.\-]+)", after).group(1) for key in ("condition", "body")]
-        elif opcode == "conditional":
-            branches = re.search(r"branch_computations=\{([^}]*)\}", after)
-            called = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
-                      [re.search(rf"{key}=%([\w.\-]+)", after).group(1) for key in ("true_computation",
-                                                                                    "false_computation")])
-        elif opcode == "call":
-            called = [re.search(r"to_apply=%([\w.\-]+)", after).group(1)]
-        elif opcode.startswith("async") and opcode.endswith("-start") and "calls=%" in after:
-            called = [re.search(r"calls=%([\w.\-]+)", after).group(1)]
-        operands = re.findall(r"%([\w.\-]+)", after.split("),")[0])
-        aliasing = re.findall(r"\{([\d,]*)\}: \((\d+), \{([\d,]*)\}\)",
-                              (re.search(r"output_to_operand_aliasing=\{.*?\}\}?,", after) or [""])[0])
-        computations[current].append((name, opcode, called, operands, aliasing))
-        if found.group(1):
-            roots[current] = name
+    """``(computations {name: [(instruction, opcode, called, operands, aliasing)]}, roots, entry)``; the
+    computations split by :func:`hlo_text.computations`."""
+    lines_of, entry = hlo_text.computations(text)
+    computations, roots = {name: [] for name in lines_of}, {}
+    for current, lines in lines_of.items():
+        for line in lines:
+            _parse_instruction(line, current, computations, roots)
     return computations, roots, entry
+
+
+def _parse_instruction(line: str, current: str, computations: dict, roots: dict) -> None:
+    """Append ``line``'s instruction to ``computations[current]`` (its root to ``roots``)."""
+    found = re.match(r"^\s+(ROOT )?%(\S+) = (.*)$", line)
+    if not found:
+        return
+    name, rest = found.group(2), found.group(3)
+    if rest.startswith("("):            # a tuple shape: skip to its closing parenthesis
+        after = rest[_closing(rest) + 1:].lstrip()
+    else:
+        after = rest.partition(" ")[2]
+    opcode = after.split("(")[0]
+    called = []
+    if opcode == "while":
+        called = [re.search(rf"{key}=%([\w.\-]+)", after).group(1) for key in ("condition", "body")]
+    elif opcode == "conditional":
+        branches = re.search(r"branch_computations=\{([^}]*)\}", after)
+        called = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
+                  [re.search(rf"{key}=%([\w.\-]+)", after).group(1) for key in ("true_computation",
+                                                                                "false_computation")])
+    elif opcode == "call":
+        called = [re.search(r"to_apply=%([\w.\-]+)", after).group(1)]
+    elif opcode.startswith("async") and opcode.endswith("-start") and "calls=%" in after:
+        called = [re.search(r"calls=%([\w.\-]+)", after).group(1)]
+    operands = re.findall(r"%([\w.\-]+)", after.split("),")[0])
+    aliasing = re.findall(r"\{([\d,]*)\}: \((\d+), \{([\d,]*)\}\)",
+                          (re.search(r"output_to_operand_aliasing=\{.*?\}\}?,", after) or [""])[0])
+    computations[current].append((name, opcode, called, operands, aliasing))
+    if found.group(1):
+        roots[current] = name
 
 
 def replay(directory: str, module: str = "jit_step") -> Replay:
