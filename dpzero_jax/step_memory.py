@@ -260,7 +260,11 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
     ]
     if layout.whole:
         share = -(-v * d // shards) if layout.windowed else v * d
+        second_pass = held + (4 - c) * share
         terms += [
+            Term("DP: tied table's weight path, first pass (output gradients, per-example gradients)", "held",
+                 max(0, weight_path_first_pass(config, b, t, c) - second_pass) if config.tied and not booked else 0,
+                 "b T (V + d) c [+ 4 b V d], less the second pass's held sums (tied, weight path)"),
             Term("DP: LM head's clipped sum, fp32, held", "held", (4 - c) * share,
                  "(4 - c) V d (/ F when reduce-scattered)"),
             Term("DP: LM head's clipped sum, fp32, all-reduced whole at the end", "table gradient",
@@ -315,24 +319,39 @@ def dp_float32_sums(config: DecoderConfig, shards: int, c: int, p_g: int, g: str
     ]
 
 
+def tied_table_instantiated(config: DecoderConfig, t: int, c: int, reuse: bool) -> bool:
+    """Whether the time rule (``norm_method`` the TPU's) instantiates a tied ``[V, d]`` table's per-example gradient
+    (``T`` lookups, ``T`` head positions), with ``reuse`` (book-keeping: kept for the clipped sum, and only where its
+    bound in bytes lets it: the fp32 gradient within 2x the operands, the head's ``[T, V]`` and ``[T, d]`` and the
+    lookup's ``[T, d]`` at ``c`` bytes, its ids at 4; ``pergrad.kept_outweighs_operands``) or without (the weight
+    path: for the norm alone)."""
+    v, d = config.vocab, config.d_model
+    if shape_rule("fastest", 2 * t, t, v, d, reuse):
+        return False
+    operand_bytes = c * t * (v + 2 * d) + 4 * t
+    return not (reuse and 4 * v * d > INSTANTIATION_MEMORY_BOUND * operand_bytes
+                and shape_rule("fastest", 2 * t, t, v, d, reuse=False))
+
+
 def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:
     """Whether the DP step (ghost, ``norm_method`` the TPU's time rule) sums a tied ``[V, d]`` table by its weight
     path rather than book-keeping it: :func:`dpzero_jax.program.ghost.weighted`'s memory rule on the table's two
-    uses (``T`` lookups, ``T`` head positions) with ``b`` sequences per device. Book-kept: ``4 V d`` (the fp32
-    clipped sum) ``+ 4 b V d`` where the time rule with reuse instantiates (and its bound in bytes lets it: the fp32
-    gradient within 2x the operands, the head's ``[T, V]`` and ``[T, d]`` and the lookup's ``[T, d]`` at ``c`` bytes,
-    its ids at 4; ``pergrad.kept_outweighs_operands``); weighted: the scaled output gradients ``b T (V + d) c``
-    ``+ 4 b V d`` where the rule without reuse instantiates."""
+    uses with ``b`` sequences per device. Book-kept: ``4 V d`` (the fp32 clipped sum) ``+ 4 b V d`` where the rule
+    with reuse instantiates (:func:`tied_table_instantiated`); weighted: :func:`weight_path_first_pass`."""
     v, d = config.vocab, config.d_model
+    kept = 4 * v * d + (4 * b * v * d if tied_table_instantiated(config, t, c, reuse=True) else 0)
+    return weight_path_first_pass(config, b, t, c) < kept
 
-    def instantiated(reuse: bool) -> bool:
-        if shape_rule("fastest", 2 * t, t, v, d, reuse):
-            return False
-        operand_bytes = c * t * (v + 2 * d) + 4 * t
-        return not (reuse and 4 * v * d > INSTANTIATION_MEMORY_BOUND * operand_bytes
-                    and shape_rule("fastest", 2 * t, t, v, d, reuse=False))
-    kept = 4 * v * d + (4 * b * v * d if instantiated(True) else 0)
-    return b * t * (v + d) * c + (4 * b * v * d if instantiated(False) else 0) < kept
+
+def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int:
+    """Bytes per device a tied table summed by its weight path holds through the first pass's blocks: the sites'
+    output gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c``, and, where the
+    rule without reuse instantiates, the head's per-example gradients in fp32 until the lookup's are added to them
+    for the norm, ``4 b V d`` (both read off the TPU-compiled step of a 6-layer GPT-2 of width 1536 at ``T`` 2048
+    on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its first backward scan)."""
+    v, d = config.vocab, config.d_model
+    per_example = 4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0
+    return b * t * (v + d) * c + per_example
 
 
 def non_private(terms: tuple[Term, ...]) -> tuple[Term, ...]:

@@ -71,7 +71,9 @@ def parse_spec(spec: str) -> tpu_aot.Case:
     case = tpu_aot.CASES[name]
     config, extra = dict(case.config), {}
     for key, value in overrides.items():
-        if key != "remat":
+        if key == "tie_word_embeddings":
+            config[key] = bool(int(value))
+        elif key != "remat":
             (extra if key in ("T", "B") else config)[key] = int(value)
     return dataclasses.replace(case, name=spec, config=tuple(config.items()), topology=topology, **extra)
 
