@@ -318,7 +318,7 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
     buffers = tuple(norm_buffers(config, per_device, seq, rank))
     dp_extra, terms, dp_sums = max(b.bytes for b in buffers), (), 0
     if remat == "block":   # the compiled step's buffers (step_memory): gathered weights are one of them
-        terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, trained, zero,
+        terms = block_remat_terms(config, per_device, seq, shards, compute_bytes, zero,
                                   replicas=devices // shards, lora_rank=rank)
         activations = peak_bytes(non_private(terms))
         dp_extra, gathered = peak_bytes(terms) - activations, 0

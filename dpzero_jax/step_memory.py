@@ -55,7 +55,10 @@ the activations gathered, a Llama-family untied head's second pass keeps the log
 T V + c N b T d``), a GPT-2-family one only the logits' gradient (the non-private step keeps both: ``- c N b T d``), and
 a tied table that book-keeps (:func:`tied_table_weighted`) holds its per-example gradients of all ``R b`` sequences and
 two per-site sums, ``4 R b V d + 16 V d / F``; a ``d``-sharded table that book-keeps forms its per-example gradients and
-sum in the LM head, ``4 (b + 1) V d``. The stacked fp32 sums are the same buffers as the non-private step's fp32 stacked
+sum in the LM head, ``4 (b + 1) V d``; a whole tied table summed by its weight path holds, through the first pass's
+blocks, the output gradients it scales in the second (``b T (V + d) c``) and, where the rule without reuse
+instantiates, the head's fp32 per-example gradients (``4 b V d``), beyond the second pass's held sums
+(:func:`weight_path_first_pass`). The stacked fp32 sums are the same buffers as the non-private step's fp32 stacked
 gradients.
 
 With LoRA (``lora_rank``; the base frozen, the adapters of :func:`~dpzero_jax.decoder_shapes.lora_weights`
@@ -218,11 +221,11 @@ def block_terms(config: DecoderConfig, b: int, t: int, c: int, w: int, windowed:
 
 
 def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, shards: int, compute_bytes: int,
-                      n_params: int, zero: int, replicas: int = 1, lora_rank: int = 0) -> tuple[Term, ...]:
+                      zero: int, replicas: int = 1, lora_rank: int = 0) -> tuple[Term, ...]:
     """The named buffers of a compiled DP step with ``remat='block'`` (see the module docstring): the non-private
     step's, then the DP step's extra ones (names starting with ``DP:``; :func:`non_private` leaves them out).
-    ``n_params``: the trainable parameters. ``lora_rank``: LoRA on the default targets, the base frozen (gathered
-    like trained weights, no gradient; only the adapters' gradients, ``p_a`` a block, are formed)."""
+    ``lora_rank``: LoRA on the default targets, the base frozen (gathered like trained weights, no gradient; only
+    the adapters' gradients, ``p_a`` a block, are formed)."""
     b, t, c = batch_per_device, seq, compute_bytes
     d, v, layers, n = config.d_model, config.vocab, config.n_layer, shards * replicas
     p_g, g = (block_parameters(config, lora_rank), "p_a") if lora_rank else (block_parameters(config), "p_l")

@@ -395,6 +395,27 @@ def test_block_remat_windowed_head_and_gathered_activations_counted_by_hand():
     assert plan.activations == max(-(-2 * 2 * p_l // 4) + attention, head) + 2 * 2048 * 2048 * 2
 
 
+def test_block_remat_tied_table_weight_path_first_pass_counted_by_hand():
+    """A tied table summed by its weight path keeps its sites' output gradients (``b T (V + d)`` at 2 bytes) for the
+    second pullback, held through the first pass's blocks; at T 2048 the time rule without reuse instantiates the
+    head's per-example gradient for the norm (fp32, ``4 V d`` at one sequence), held until the lookup's is added.
+    What the second pass holds of the head (its gradient and fp32 sum, reduce-scattered on 16 chips) is the
+    smaller and is not counted twice. At T 1024 the rule keeps the norm ghost: only the output gradients."""
+    v, d = 50257, 1536
+    gpt2 = dataclasses.replace(planner.resolve_model("gpt2-xl"), n_layer=6, d_model=d, n_head=12, n_ctx=2048)
+    plan = planner.plan_memory(gpt2, 16, 16, 2048, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    name = "DP: tied table's weight path, first pass (output gradients, per-example gradients)"
+    second_pass = (2 + 2) * -(-v * d // 16)
+    assert terms[name] == 2048 * (v + d) * 2 + 4 * v * d - second_pass
+    plan = planner.plan_memory(gpt2, 16, 16, 1024, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    assert terms[name] == 1024 * (v + d) * 2 - second_pass
+    # book-kept (GPT-2 XL's table at 8 sequences per chip) or untied: no such buffer
+    plan = planner.plan_memory(planner.resolve_model("gpt2-xl"), 16, 128, 1024, "bf16", 3, remat="block")
+    assert {term.name: term.bytes for term in plan.temporaries}.get(name, 0) == 0
+
+
 def test_cli_sizes_and_json_config(tmp_path, capsys):
     assert planner.main(["--sizes"]) == 0
     out = capsys.readouterr().out
