@@ -66,13 +66,14 @@ trained) the same buffers with the adapters' parameters ``p_a`` in the stacked g
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 44 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
-shape on 128-256 chips, smaller shapes of them on 4-64 chips, the Mistral / Llama-3 / Qwen2 / Gemma presets), 42 of them
-read to write it (Mistral-7B's and Qwen2-7B's were not): 0.91-1.09 of the compiler's peak on 43, 1.11 on a 2-block GPT-2
-whose table is 57% of its parameters (the model-state rows count the table's 16-bit copy and gradient shard, which the
-compiled step does not hold at its peak). Shapes compiled after their predictions were written were within 10% on 4 of
-12 steps before the refits they led to and on 3 of 4 after the last (-17% to +29%): the compiler's choices change with
-the shape.
+``docs/planner.md`` compares the model with 56 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
+shape on 128-256 chips, smaller shapes of them on 4-256 chips, the Mistral / Llama-3 / Qwen2 / Gemma presets), 46 of
+them read to write it (Mistral-7B's, Qwen2-7B's and the last round's 8 were not): 0.91-1.09 of the compiler's peak on
+54, 1.11 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state rows count the table's 16-bit copy and
+gradient shard, which the compiled step does not hold at its peak), 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips
+(its compiler formed the tied table's per-example gradient after the blocks). Shapes compiled after their predictions
+were written were within 10% on 7 of 16 steps before the refits they led to and on 7 of 8 after the last (-17% to +29%):
+the compiler's choices change with the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
