@@ -352,7 +352,10 @@ def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int
     output gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c``, and, where the
     rule without reuse instantiates, the head's per-example gradients in fp32 until the lookup's are added to them
     for the norm, ``4 b V d`` (both read off the TPU-compiled step of a 6-layer GPT-2 of width 1536 at ``T`` 2048
-    on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its first backward scan)."""
+    on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its first backward scan). The engine
+    forms the norm after the first pullback; the compiler may schedule the head's contraction before the blocks (that
+    step) or after them (GPT-2 XL's width, 8 layers on 32 chips, where only the output gradients are held): counted
+    held, the larger."""
     v, d = config.vocab, config.d_model
     per_example = 4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0
     return b * t * (v + d) * c + per_example

@@ -411,7 +411,7 @@ def test_block_remat_tied_table_weight_path_first_pass_counted_by_hand():
     plan = planner.plan_memory(gpt2, 16, 16, 1024, "bf16", 3, remat="block")
     terms = {term.name: term.bytes for term in plan.temporaries}
     assert terms[name] == 1024 * (v + d) * 2 - second_pass
-    # book-kept (GPT-2 XL's table at 8 sequences per chip) or untied: no such buffer
+    # book-kept (GPT-2 XL's table at 8 sequences per chip): no such buffer
     plan = planner.plan_memory(planner.resolve_model("gpt2-xl"), 16, 128, 1024, "bf16", 3, remat="block")
     assert {term.name: term.bytes for term in plan.temporaries}.get(name, 0) == 0
 
