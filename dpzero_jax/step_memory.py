@@ -34,13 +34,13 @@ per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F``
   compiler's choice, seen at ``F`` = 16 and 32 and not at 64); with the activations gathered, the logits' gradient
   and the activations, ``c b T V + c N b T d`` (a tied table's lookup part, and the GPT-2 family's untied head), a
   Llama-family untied head nothing.
-* **block** (one block's backward, rebuilt): at its *attention*, the probabilities (GPT-2: the probabilities and
-  their gradient, ``2 c b h T^2``; Llama's ``jax.nn.dot_product_attention``: fp32 probabilities and their cast,
-  ``(4 + c) b h T^2``), half the block's activations ``b T c x / 2`` and the largest matrix twice (gathered, and
-  its gradient), ``2 c W``; at its *weights*, Llama's fp32 probabilities still live (``4 b h T^2``), half the
-  activations and the largest matrix four times (gathered, its gradient and the reduction's buffers), ``4 c W`` --
-  twice, ``2 c W``, on at most 32 devices, where the compiler gathers and reduce-scatters the block's matrices in
-  windowed einsums.
+* **block** (one block's backward, rebuilt): at its *attention*, the probabilities (GPT-2 at one sequence per device:
+  the probabilities and their gradient, ``2 c b h T^2``; Llama's ``jax.nn.dot_product_attention``, and GPT-2 at ``b >
+  1``: fp32 probabilities and their cast, ``(4 + c) b h T^2``), half the block's activations ``b T c x / 2`` and the
+  largest matrix twice (gathered, and its gradient), ``2 c W``; at its *weights*, Llama's fp32 probabilities still
+  live (``4 b h T^2``), half the activations and the largest matrix four times (gathered, its gradient and the
+  reduction's buffers), ``4 c W`` -- twice, ``2 c W``, on at most 32 devices, where the compiler gathers and
+  reduce-scatters the block's matrices in windowed einsums.
 * **table gradient** (after the blocks): a ``d``-sharded trained table with a data axis (``R > 1``) gets the
   lookup's scatter-add and the head's gradient as whole tables, ``2 c V d``, beside the held one.
 
@@ -153,12 +153,16 @@ def per_token_block_numbers(config: DecoderConfig) -> int:
     return (4 + 2 * config.sandwich_norms) * d + heads + 3 * config.mlp_width
 
 
-def attention_bytes(config: DecoderConfig, compute_bytes: int) -> tuple[int, int]:
+def attention_bytes(config: DecoderConfig, compute_bytes: int, b: int = 1) -> tuple[int, int]:
     """Bytes per attention probability (``b h T^2`` of them) in a block's backward, ``(at its attention, at its
-    weights)``. GPT-2 (scores, fp32 softmax and the cast back fuse into one kernel): the probabilities and their
-    gradient at the compute precision, ``2 c``, then none. Llama family (``jax.nn.dot_product_attention``'s XLA
-    path): the fp32 probabilities and their cast for the ``P V`` matmul, ``4 + c``; the fp32 ones stay, ``4``."""
-    return (2 * compute_bytes, 0) if config.family == "gpt2" else (4 + compute_bytes, 4)
+    weights)``. GPT-2 at one sequence per device (scores, fp32 softmax and the cast back fuse into one kernel): the
+    probabilities and their gradient at the compute precision, ``2 c``, then none; at ``b > 1`` the fp32
+    probabilities and their cast, ``4 + c`` (``f32[2, 25, 1024, 1024]`` and its bf16 copy in GPT-2 XL's compiled step
+    at two sequences per chip). Llama family (``jax.nn.dot_product_attention``'s XLA path): the fp32 probabilities
+    and their cast for the ``P V`` matmul, ``4 + c``; the fp32 ones stay, ``4``."""
+    if config.family == "gpt2":
+        return (2 * compute_bytes if b == 1 else 4 + compute_bytes), 0
+    return 4 + compute_bytes, 4
 
 
 def table_sharded_along_d(config: DecoderConfig, shards: int) -> bool:
@@ -207,10 +211,10 @@ def block_terms(config: DecoderConfig, b: int, t: int, c: int, w: int, windowed:
     in windowed einsums (two copies of the largest, ``w`` elements, at its weights, not four)."""
     h, x = config.n_head, per_token_block_numbers(config)
     copies = 2 if windowed else 4
-    at_attention, residue = attention_bytes(config, c)
+    at_attention, residue = attention_bytes(config, c, b)
     return [
         Term("attention probabilities (+ gradient)", "block: attention", b * h * t * t * at_attention,
-             "b h T^2 x (GPT-2: 2 c; Llama: 4 + c)"),
+             "b h T^2 x (GPT-2 at b = 1: 2 c; else 4 + c)"),
         Term("block activations, half", "block: attention", b * t * c * x // 2, "b T c x / 2"),
         Term("largest block matrix, twice (gathered, its gradient)", "block: attention", 2 * c * w, "2 c W"),
         Term("attention probabilities, fp32, through the block", "block: weights", b * h * t * t * residue,
@@ -341,15 +345,20 @@ def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:
     """Whether the DP step (ghost, ``norm_method`` the TPU's time rule) sums a tied ``[V, d]`` table by its weight
     path rather than book-keeping it: :func:`dpzero_jax.program.ghost.weighted`'s memory rule on the table's two
     uses with ``b`` sequences per device. Book-kept: ``4 V d`` (the fp32 clipped sum) ``+ 4 b V d`` where the rule
-    with reuse instantiates (:func:`tied_table_instantiated`); weighted: :func:`weight_path_first_pass`."""
+    with reuse instantiates (:func:`tied_table_instantiated`); weighted: the scaled output gradients ``b T (V + d)
+    c`` ``+ 4 b V d`` where the rule without reuse instantiates (the engine's count; what the compiled step holds is
+    :func:`weight_path_first_pass`)."""
     v, d = config.vocab, config.d_model
     kept = 4 * v * d + (4 * b * v * d if tied_table_instantiated(config, t, c, reuse=True) else 0)
-    return weight_path_first_pass(config, b, t, c) < kept
+    weighted = b * t * (v + d) * c + (4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0)
+    return weighted < kept
 
 
 def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int:
     """Bytes per device a tied table summed by its weight path holds through the first pass's blocks: the sites'
-    output gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c``, and, where the
+    output gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c`` (with ``b > 1`` the
+    head's twice, ``b T (2 V + d) c``: the compiler keeps a relayout of it -- two ``bf16[2, 1023, 50257]`` in GPT-2
+    XL's step at two sequences per chip; at one sequence the relayout is a bitcast), and, where the
     rule without reuse instantiates, the head's per-example gradients in fp32 until the lookup's are added to them
     for the norm, ``4 b V d`` (both read off the TPU-compiled step of a 6-layer GPT-2 of width 1536 at ``T`` 2048
     on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its first backward scan). The engine
@@ -358,7 +367,7 @@ def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int
     held, the larger."""
     v, d = config.vocab, config.d_model
     per_example = 4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0
-    return b * t * (v + d) * c + per_example
+    return b * t * ((1 if b == 1 else 2) * v + d) * c + per_example
 
 
 def non_private(terms: tuple[Term, ...]) -> tuple[Term, ...]:

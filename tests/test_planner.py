@@ -411,6 +411,14 @@ def test_block_remat_tied_table_weight_path_first_pass_counted_by_hand():
     plan = planner.plan_memory(gpt2, 16, 16, 1024, "bf16", 3, remat="block")
     terms = {term.name: term.bytes for term in plan.temporaries}
     assert terms[name] == 1024 * (v + d) * 2 - second_pass
+    # at two sequences per chip the compiled step keeps a relayout of the head's output gradient beside it, and
+    # GPT-2's attention its fp32 probabilities and their cast (GPT-2 XL, 12 layers on 64 chips: the table whole)
+    xl = dataclasses.replace(planner.resolve_model("gpt2-xl"), n_layer=12)
+    plan = planner.plan_memory(xl, 64, 128, 1024, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    v, d = 50257, 1600
+    assert terms[name] == 2 * 1024 * (2 * v + d) * 2 - 4 * v * d
+    assert terms["attention probabilities (+ gradient)"] == 2 * 25 * 1024**2 * (4 + 2)
     # book-kept (GPT-2 XL's table at 8 sequences per chip): no such buffer
     plan = planner.plan_memory(planner.resolve_model("gpt2-xl"), 16, 128, 1024, "bf16", 3, remat="block")
     assert {term.name: term.bytes for term in plan.temporaries}.get(name, 0) == 0
