@@ -29,18 +29,18 @@ per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F``
   (or the activations) and two logits-sized buffers, ``2 c b T V``; *gradient*: the table (released first with a
   data axis), the logits' gradient ``c b T V`` and the head's gradient formed whole, ``c V d`` (not on at most 32
   devices: reduce-scattered as it is formed).
-* **held** through the blocks' backward to the update: the head's gradient, whole (``c V d``) when the table is
-  whole, reduce-scattered by a windowed einsum (``c V d / F``) when the table is split at most 32 ways (the
-  compiler's choice, seen at ``F`` = 16 and 32 and not at 64); with the activations gathered, the logits' gradient
-  and the activations, ``c b T V + c N b T d`` (a tied table's lookup part, and the GPT-2 family's untied head), a
-  Llama-family untied head nothing.
+* **held** through the blocks' backward to the update: the head's gradient, whole (``c V d``) when the table is whole,
+  reduce-scattered by a windowed einsum (``c V d / F``) when the table is split at most 32 ways (the compiler's
+  choice, seen at ``F`` = 16 and 32 and not at 64), there with ``b > 1`` also the logits' gradient (``c b T V``: the
+  einsum runs after the blocks); with the activations gathered, the logits' gradient and the activations, ``c b T V +
+  c N b T d`` (a tied table's lookup part, and the GPT-2 family's untied head), a Llama-family untied head nothing.
 * **block** (one block's backward, rebuilt): at its *attention*, the probabilities (GPT-2 at one sequence per device:
-  the probabilities and their gradient, ``2 c b h T^2``; Llama's ``jax.nn.dot_product_attention``, and GPT-2 at ``b >
-  1``: fp32 probabilities and their cast, ``(4 + c) b h T^2``), half the block's activations ``b T c x / 2`` and the
-  largest matrix twice (gathered, and its gradient), ``2 c W``; at its *weights*, Llama's fp32 probabilities still
-  live (``4 b h T^2``), half the activations and the largest matrix four times (gathered, its gradient and the
-  reduction's buffers), ``4 c W`` -- twice, ``2 c W``, on at most 32 devices, where the compiler gathers and
-  reduce-scatters the block's matrices in windowed einsums.
+  the probabilities and their gradient, ``2 c b h T^2``, at ``b > 1`` the fp32 probabilities too, ``(4 + 2 c) b h
+  T^2``; Llama's ``jax.nn.dot_product_attention``: fp32 probabilities and their cast, ``(4 + c) b h T^2``), half the
+  block's activations ``b T c x / 2`` and the largest matrix twice (gathered, and its gradient), ``2 c W``; at its
+  *weights*, Llama's fp32 probabilities still live (``4 b h T^2``), half the activations and the largest matrix four
+  times (gathered, its gradient and the reduction's buffers), ``4 c W`` -- twice, ``2 c W``, on at most 32 devices,
+  where the compiler gathers and reduce-scatters the block's matrices in windowed einsums.
 * **table gradient** (after the blocks): a ``d``-sharded trained table with a data axis (``R > 1``) gets the
   lookup's scatter-add and the head's gradient as whole tables, ``2 c V d``, beside the held one.
 
@@ -55,7 +55,8 @@ the activations gathered, a Llama-family untied head's second pass keeps the log
 T V + c N b T d``), a GPT-2-family one only the logits' gradient (the non-private step keeps both: ``- c N b T d``), and
 a tied table that book-keeps (:func:`tied_table_weighted`) holds its per-example gradients of all ``R b`` sequences and
 two per-site sums, ``4 R b V d + 16 V d / F``; a ``d``-sharded table that book-keeps forms its per-example gradients and
-sum in the LM head, ``4 (b + 1) V d``; a whole tied table summed by its weight path holds, through the first pass's
+sum in the LM head, ``4 (b + 1) V d``, and holds the per-example gradients and the logits' gradient through the
+blocks, ``4 b V d + c b T V``; a whole tied table summed by its weight path holds, through the first pass's
 blocks, the output gradients it scales in the second (``b T (V + d) c``) and, where the rule without reuse
 instantiates, the head's fp32 per-example gradients (``4 b V d``), beyond the second pass's held sums
 (:func:`weight_path_first_pass`). The stacked fp32 sums are the same buffers as the non-private step's fp32 stacked
@@ -156,12 +157,12 @@ def per_token_block_numbers(config: DecoderConfig) -> int:
 def attention_bytes(config: DecoderConfig, compute_bytes: int, b: int = 1) -> tuple[int, int]:
     """Bytes per attention probability (``b h T^2`` of them) in a block's backward, ``(at its attention, at its
     weights)``. GPT-2 at one sequence per device (scores, fp32 softmax and the cast back fuse into one kernel): the
-    probabilities and their gradient at the compute precision, ``2 c``, then none; at ``b > 1`` the fp32
-    probabilities and their cast, ``4 + c`` (``f32[2, 25, 1024, 1024]`` and its bf16 copy in GPT-2 XL's compiled step
-    at two sequences per chip). Llama family (``jax.nn.dot_product_attention``'s XLA path): the fp32 probabilities
-    and their cast for the ``P V`` matmul, ``4 + c``; the fp32 ones stay, ``4``."""
+    probabilities and their gradient at the compute precision, ``2 c``, then none; at ``b > 1`` the fp32 probabilities
+    besides them, ``4 + 2 c`` (GPT-2 XL's compiled steps at two sequences per chip: ``f32[2, 25, 2048, 2048]`` and two
+    bf16 copies at T 2048, one bf16 copy at the peak at T 1024). Llama family (``jax.nn.dot_product_attention``'s XLA
+    path): the fp32 probabilities and their cast for the ``P V`` matmul, ``4 + c``; the fp32 ones stay, ``4``."""
     if config.family == "gpt2":
-        return (2 * compute_bytes if b == 1 else 4 + compute_bytes), 0
+        return (2 * compute_bytes if b == 1 else 4 + 2 * compute_bytes), 0
     return 4 + compute_bytes, 4
 
 
@@ -197,7 +198,10 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
     if not trained:
         return Term(name, "held", 0, "0 (frozen)")
     if layout.windowed and layout.whole:
-        return Term(name, "held", c * -(-v * d // shards), "c V d / F (F <= 32: reduce-scattered)")
+        # at b > 1 the logits' gradient waits for the windowed einsum after the blocks (GPT-2 XL at two sequences
+        # per chip on 32: bf16[2, 1024, 50257] live in the blocks' backward; at one sequence it was not)
+        return Term(name, "held", c * -(-v * d // shards) + (c * b * t * v if b > 1 else 0),
+                    "c V d / F (F <= 32: reduce-scattered) [+ c b T V, the logits' gradient, at b > 1]")
     if layout.whole:
         return Term(name, "held", c * v * d, "c V d (the table whole)")
     if config.tied or config.family == "gpt2":
@@ -214,7 +218,7 @@ def block_terms(config: DecoderConfig, b: int, t: int, c: int, w: int, windowed:
     at_attention, residue = attention_bytes(config, c, b)
     return [
         Term("attention probabilities (+ gradient)", "block: attention", b * h * t * t * at_attention,
-             "b h T^2 x (GPT-2 at b = 1: 2 c; else 4 + c)"),
+             "b h T^2 x (GPT-2: 2 c at b = 1, 4 + 2 c at b > 1; Llama: 4 + c)"),
         Term("block activations, half", "block: attention", b * t * c * x // 2, "b T c x / 2"),
         Term("largest block matrix, twice (gathered, its gradient)", "block: attention", 2 * c * w, "2 c W"),
         Term("attention probabilities, fp32, through the block", "block: weights", b * h * t * t * residue,
@@ -280,6 +284,8 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
                  "4 V d (a vocabulary-sharded table, more than 32 devices)"),
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
                  4 * (b + 1) * v * d if booked else 0, "4 (b + 1) V d (tied and book-kept)"),
+            Term("DP: tied table's per-example gradients (book-kept) + logits gradient, held", "held",
+                 4 * b * v * d + c * b * t * v if booked else 0, "4 b V d + c b T V (tied and book-kept)"),
         ]
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not

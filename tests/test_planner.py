@@ -418,10 +418,19 @@ def test_block_remat_tied_table_weight_path_first_pass_counted_by_hand():
     terms = {term.name: term.bytes for term in plan.temporaries}
     v, d = 50257, 1600
     assert terms[name] == 2 * 1024 * (2 * v + d) * 2 - 4 * v * d
-    assert terms["attention probabilities (+ gradient)"] == 2 * 25 * 1024**2 * (4 + 2)
-    # book-kept (GPT-2 XL's table at 8 sequences per chip): no such buffer
+    assert terms["attention probabilities (+ gradient)"] == 2 * 25 * 1024**2 * (4 + 2 * 2)
+    # on at most 32 chips the head's gradient is reduce-scattered by a windowed einsum after the blocks: at two
+    # sequences per chip the logits' gradient waits for it through the blocks' backward
+    plan = planner.plan_memory(xl, 32, 64, 1024, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    assert terms["LM head gradient (or what forms it), held to the update"] == 2 * -(-v * d // 32) + 2 * 2 * 1024 * v
+    # book-kept (GPT-2 XL's table at 8 sequences per chip): no such buffer; the per-example gradients and the
+    # logits' gradient are held through the blocks instead
     plan = planner.plan_memory(planner.resolve_model("gpt2-xl"), 16, 128, 1024, "bf16", 3, remat="block")
-    assert {term.name: term.bytes for term in plan.temporaries}.get(name, 0) == 0
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    assert terms.get(name, 0) == 0
+    assert terms["DP: tied table's per-example gradients (book-kept) + logits gradient, held"] == (
+        4 * 8 * v * d + 2 * 8 * 1024 * v)
 
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):
