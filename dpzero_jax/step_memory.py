@@ -55,10 +55,11 @@ the activations gathered, a Llama-family untied head's second pass keeps the log
 T V + c N b T d``), a GPT-2-family one only the logits' gradient (the non-private step keeps both: ``- c N b T d``), and
 a tied table that book-keeps (:func:`tied_table_weighted`) holds its per-example gradients of all ``R b`` sequences and
 two per-site sums, ``4 R b V d + 16 V d / F``; a ``d``-sharded table that book-keeps forms its per-example gradients and
-sum in the LM head, ``4 (b + 1) V d``, and holds the per-example gradients and the logits' gradient through the
-blocks, ``4 b V d + c b T V``; a whole tied table summed by its weight path holds, through the first pass's
-blocks, the output gradients it scales in the second (``b T (V + d) c``) and, where the rule without reuse
-instantiates, the head's fp32 per-example gradients (``4 b V d``), beyond the second pass's held sums
+sum in the LM head, ``4 (b + 1) V d``, and holds the per-example gradients and the logits' gradient through the blocks,
+``4 b V d + c b T V``, where the rule with reuse instantiates -- else (a ghost norm) the sum ``4 V d`` and the logits'
+gradient, twice at ``b > 1`` (a relayout); a whole tied table summed by its weight path holds, through the first pass's
+blocks, the output gradients it scales in the second (``b T (V + d) c``) and, where the rule without reuse instantiates,
+the head's fp32 per-example gradients (``4 b V d``), beyond the second pass's held sums
 (:func:`weight_path_first_pass`). The stacked fp32 sums are the same buffers as the non-private step's fp32 stacked
 gradients.
 
@@ -273,6 +274,10 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
     if layout.whole:
         share = -(-v * d // shards) if layout.windowed else v * d
         second_pass = held + (4 - c) * share
+        # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
+        # the head's output gradient kept, with a relayout of it at b > 1)
+        per_example = 4 * b * v * d if booked and tied_table_instantiated(config, t, c, reuse=True) else 0
+        kept_outputs = c * b * t * v * (1 if per_example or b == 1 else 2)
         terms += [
             Term("DP: tied table's weight path, first pass (output gradients, per-example gradients)", "held",
                  max(0, weight_path_first_pass(config, b, t, c) - second_pass) if config.tied and not booked else 0,
@@ -283,9 +288,10 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
                  0 if layout.d_sharded or layout.windowed else 4 * v * d,
                  "4 V d (a vocabulary-sharded table, more than 32 devices)"),
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
-                 4 * (b + 1) * v * d if booked else 0, "4 (b + 1) V d (tied and book-kept)"),
+                 4 * v * d + per_example if booked else 0, "4 V d [+ 4 b V d instantiated] (tied and book-kept)"),
             Term("DP: tied table's per-example gradients (book-kept) + logits gradient, held", "held",
-                 4 * b * v * d + c * b * t * v if booked else 0, "4 b V d + c b T V (tied and book-kept)"),
+                 per_example + kept_outputs if booked else 0,
+                 "4 b V d + c b T V instantiated, else c b T V (twice at b > 1) (tied and book-kept)"),
         ]
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
