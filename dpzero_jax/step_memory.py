@@ -68,14 +68,15 @@ trained) the same buffers with the adapters' parameters ``p_a`` in the stacked g
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 56 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
-shape on 128-256 chips, smaller shapes of them on 4-256 chips, the Mistral / Llama-3 / Qwen2 / Gemma presets), 46 of
-them read to write it (Mistral-7B's, Qwen2-7B's and the last round's 8 were not): 0.91-1.09 of the compiler's peak on
-54, 1.11 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state rows count the table's 16-bit copy and
-gradient shard, which the compiled step does not hold at its peak), 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips
-(its compiler formed the tied table's per-example gradient after the blocks). Shapes compiled after their predictions
-were written were within 10% on 7 of 16 steps before the refits they led to and on 7 of 8 after the last (-17% to +29%):
-the compiler's choices change with the shape.
+``docs/planner.md`` compares the model with 88 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
+shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the Mistral / Llama-3 /
+Qwen2 / Gemma presets), 76 of them read to write it (Mistral-7B's, Qwen2-7B's and the last round's 8 were not):
+0.91-1.09 of the compiler's peak on 84; 1.11 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state
+rows count the table's 16-bit copy and gradient shard, which the compiled step does not hold at its peak), 1.25 on an
+8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler formed the tied table's per-example gradient after the
+blocks), 1.13 and 0.85 on two of the last round's DP steps at four sequences per chip. Shapes compiled after their
+predictions were written were within 10% on 39 of 56 steps, 6 of 8 after the last refit (-30% to +48%): the compiler's
+choices change with the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
