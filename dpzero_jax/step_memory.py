@@ -54,10 +54,10 @@ and on more than 32 devices a vocabulary-sharded table's sum is all-reduced whol
 the activations gathered, a Llama-family untied head's second pass keeps the logits' gradient and the activations (``c b
 T V + c N b T d``), a GPT-2-family one only the logits' gradient (the non-private step keeps both: ``- c N b T d``), and
 a tied table that book-keeps (:func:`tied_table_weighted`) holds its per-example gradients of all ``R b`` sequences and
-two per-site sums, ``4 R b V d + 16 V d / F``; a ``d``-sharded table that book-keeps forms its per-example gradients and
-sum in the LM head, ``4 (b + 1) V d``, and holds the per-example gradients and the logits' gradient through the blocks,
-``4 b V d + c b T V``, where the rule with reuse instantiates -- else (a ghost norm) the sum ``4 V d`` and the logits'
-gradient, twice at ``b > 1`` (a relayout); a whole tied table summed by its weight path holds, through the first pass's
+two per-site sums, ``4 R b V d + 16 V d / F``; a whole tied table that book-keeps forms its fp32 sum in the LM head,
+``4 V d``, and, where the rule with reuse instantiates, its per-example gradients, ``4 b V d``, held through the blocks
+with the logits' gradient, ``c b T V`` -- with a ghost norm the logits' gradient is held instead, twice at ``b > 1`` (a
+relayout); a whole tied table summed by its weight path holds, through the first pass's
 blocks, the output gradients it scales in the second (``b T (V + d) c``) and, where the rule without reuse instantiates,
 the head's fp32 per-example gradients (``4 b V d``), beyond the second pass's held sums
 (:func:`weight_path_first_pass`). The stacked fp32 sums are the same buffers as the non-private step's fp32 stacked
