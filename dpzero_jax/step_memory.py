@@ -278,7 +278,7 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
         # the head's output gradient kept, with a relayout of it at b > 1)
         per_example = 4 * b * v * d if booked and tied_table_instantiated(config, t, c, reuse=True) else 0
-        kept_outputs = c * b * t * v * (1 if per_example or b == 1 else 2)
+        kept_outputs = c * b * t * v if per_example else kept_logits_gradient(b, t, v, c)
         terms += [
             Term("DP: tied table's weight path, first pass (output gradients, per-example gradients)", "held",
                  max(0, weight_path_first_pass(config, b, t, c) - second_pass) if config.tied and not booked else 0,
@@ -367,20 +367,25 @@ def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:
     return weighted < kept
 
 
+def kept_logits_gradient(b: int, t: int, v: int, c: int) -> int:
+    """The head's output gradient kept for a tied table's norm or second pullback, ``c b T V``, twice at ``b > 1``:
+    the compiler keeps a relayout of it beside it (two ``bf16[2, 1023, 50257]`` in GPT-2 XL's step at two sequences
+    per chip; at one sequence the relayout is a bitcast)."""
+    return c * b * t * v * (1 if b == 1 else 2)
+
+
 def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int:
-    """Bytes per device a tied table summed by its weight path holds through the first pass's blocks: the sites'
-    output gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c`` (with ``b > 1`` the
-    head's twice, ``b T (2 V + d) c``: the compiler keeps a relayout of it -- two ``bf16[2, 1023, 50257]`` in GPT-2
-    XL's step at two sequences per chip; at one sequence the relayout is a bitcast), and, where the
-    rule without reuse instantiates, the head's per-example gradients in fp32 until the lookup's are added to them
-    for the norm, ``4 b V d`` (both read off the TPU-compiled step of a 6-layer GPT-2 of width 1536 at ``T`` 2048
-    on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its first backward scan). The engine
-    forms the norm after the first pullback; the compiler may schedule the head's contraction before the blocks (that
-    step) or after them (GPT-2 XL's width, 8 layers on 32 chips, where only the output gradients are held): counted
-    held, the larger."""
+    """Bytes per device a tied table summed by its weight path holds through the first pass's blocks: the sites' output
+    gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c`` (the head's twice at ``b >
+    1``: :func:`kept_logits_gradient`), and, where the rule without reuse instantiates, the head's per-example gradients
+    in fp32 until the lookup's are added to them for the norm, ``4 b V d`` (both read off the TPU-compiled step of a
+    6-layer GPT-2 of width 1536 at ``T`` 2048 on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its
+    first backward scan). The engine forms the norm after the first pullback; the compiler may schedule the head's
+    contraction before the blocks (that step) or after them (GPT-2 XL's width, 8 layers on 32 chips, where only the
+    output gradients are held): counted held, the larger."""
     v, d = config.vocab, config.d_model
     per_example = 4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0
-    return b * t * ((1 if b == 1 else 2) * v + d) * c + per_example
+    return kept_logits_gradient(b, t, v, c) + b * t * d * c + per_example
 
 
 def non_private(terms: tuple[Term, ...]) -> tuple[Term, ...]:

@@ -31,6 +31,7 @@ import argparse
 import collections
 import dataclasses
 import glob
+import itertools
 import json
 import os
 import re
@@ -207,11 +208,9 @@ def replay(directory: str, module: str = "jit_step") -> Replay:
                 union(vid, ("loop", loop_key[position], index))
     for name, (_, _, operands, aliasing) in instructions.items():
         for out_index, operand, in_index in aliasing:
-            if int(operand) < len(operands):
-                sources = at.get((operands[int(operand)], "{" + in_index + "}"), [])
-                for vid in at.get((name, "{" + out_index + "}"), []) + sources[:1]:
-                    for source in sources[:1]:
-                        union(vid, source)
+            sources = at.get((operands[int(operand)], "{" + in_index + "}"), []) if int(operand) < len(operands) else []
+            for vid in at.get((name, "{" + out_index + "}"), []) if sources else []:
+                union(vid, sources[0])
     for vid, (allocation, _) in parameter_allocation.items():
         union(vid, ("parameter", allocation))
 
@@ -227,39 +226,37 @@ def replay(directory: str, module: str = "jit_step") -> Replay:
         first = values[vids[0]][0]
         params = [parameter_allocation[v][1] for v in vids if v in parameter_allocation]
         start, end = (0, len(schedule) - 1) if params else (min(times), max(times))
-        buffers.append([first, shape[vids[0]], max(params) if params else max(size[v] for v in vids), start, end,
-                        computation_of.get(first, "?"), bool(params)])
-    _share_in_place(buffers, instructions, time)
+        buffers.append(Buffer(first, shape[vids[0]], max(params) if params else max(size[v] for v in vids), start,
+                              end, computation_of.get(first, "?"), bool(params)))
+    buffers = _share_in_place(buffers, instructions, time)
 
     delta = [0] * (len(schedule) + 1)
     for b in buffers:
-        delta[b[3]] += b[2]
-        delta[b[4] + 1] -= b[2]
-    live, total = [], 0
-    for step in delta[:-1]:
-        total += step
-        live.append(total)
+        delta[b.start] += b.size
+        delta[b.end + 1] -= b.size
+    live = tuple(itertools.accumulate(delta[:-1]))
     peak_at = max(range(len(live)), key=live.__getitem__)
-    frozen = tuple(Buffer(*b) for b in buffers)
     return Replay(live[peak_at], peak_at, schedule[peak_at], computation_of[schedule[peak_at]],
-                  sum(b.size for b in frozen if b.parameter), frozen, tuple(live), tuple(schedule), computation_of)
+                  sum(b.size for b in buffers if b.parameter), tuple(buffers), live, tuple(schedule), computation_of)
 
 
-def _share_in_place(buffers: list, instructions: dict, time: dict) -> None:
+def _share_in_place(buffers: list[Buffer], instructions: dict, time: dict) -> list[Buffer]:
     """An output written over a same-sized operand whose last use is its instruction: the operand's buffer ends
     just before (the compiler reuses it)."""
     by_name = collections.defaultdict(list)
-    for b in buffers:
-        by_name[b[0]].append(b)
-    for b in buffers:
-        if b[6] or b[0] not in time or time[b[0]] != b[3]:
+    for index, b in enumerate(buffers):
+        by_name[b.name].append(index)
+    out = list(buffers)
+    for j, b in enumerate(buffers):
+        if b.parameter or b.name not in time or time[b.name] != b.start:
             continue
-        for operand in instructions[b[0]][2]:
-            shared = next((u for u in by_name.get(operand, []) if u is not b and not u[6] and u[4] == b[3]
-                           and u[2] == b[2] and u[3] < b[3]), None)
-            if shared:
-                shared[4] = b[3] - 1
+        for operand in instructions[b.name][2]:
+            shared = next((i for i in by_name.get(operand, []) if i != j and not out[i].parameter
+                           and out[i].end == b.start and out[i].size == b.size and out[i].start < b.start), None)
+            if shared is not None:
+                out[shared] = dataclasses.replace(out[shared], end=b.start - 1)
                 break
+    return out
 
 
 def summary(result: Replay, top: int = 12, time: int | None = None) -> dict:
