@@ -151,7 +151,7 @@ def training_step(graphdef, params, trainable, rules, dp_config, strategy: str =
     import optax
     from flax import nnx
 
-    from dpzero_jax import sharding, spmd
+    from dpzero_jax import sharding
     from dpzero_jax.engine import private_value_and_grad
     from dpzero_jax.models.objectives import lm_objective
 
@@ -187,7 +187,7 @@ def training_step(graphdef, params, trainable, rules, dp_config, strategy: str =
 
     def step(p, opt_state, batch, key, mask, frozen):
         if strategy == "gspmd":   # activations split over the batch (dpzero_jax.spmd), as the trainer does
-            with spmd.batch_sharded(rules.mesh):
+            with rules.gspmd_hint():
                 losses, grads = gradient(p, batch, key, mask, frozen)
         else:
             losses, grads = gradient(p, batch, key, mask, frozen)

@@ -96,7 +96,8 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanRe
     report, per trainable parameter, how its per-example gradient and norm are obtained. ``rules``: the
     :class:`~dpzero_jax.sharding.ShardingRules` of a ZeRO-3 run with ``strategy="explicit"``: the program front-end
     then sums a large table its layout splits in pieces where it forms that sum itself (bk; fused book-keeps the
-    table's lookup to that end; ghost sums its lookups by the weight path), and the plan says which; None: unsharded."""
+    table's lookup to that end; ghost sums its lookups by the weight path), and the plan says which (under ``gspmd``
+    the same tables are summed in pieces, but fused clips an untied lookup at its site); None: unsharded."""
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
     layout = None

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 
 DEFAULT_MIN_SHARD_ELEMENTS = 1024
+# a lookup table's float32 clipped sum above this is formed in pieces at ZeRO-3 (``ShardingRules.sum_chunk_bytes``)
+DEFAULT_SUM_CHUNK_BYTES = 64 * 2**20
 LANES = 128   # a TPU tile's minor dimension (tiles are 8 x 128 32-bit elements)
 
 

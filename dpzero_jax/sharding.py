@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from dpzero_jax import noise
+from dpzero_jax import noise, spmd
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.engine import clipped_grad_sum, leaf_paths, make_plan
 from dpzero_jax.layer_plan import used_outside_layers, whole_shapes
@@ -78,10 +78,8 @@ from dpzero_jax.mesh_options import (  # noqa: F401  (the mesh's options, re-exp
     parse_mesh,
 )
 from dpzero_jax.program import gathered as program_gathered
-from dpzero_jax.shard_layout import DEFAULT_MIN_SHARD_ELEMENTS, shard_axis
+from dpzero_jax.shard_layout import DEFAULT_MIN_SHARD_ELEMENTS, DEFAULT_SUM_CHUNK_BYTES, shard_axis
 from dpzero_jax.sketch import finite_zero
-
-DEFAULT_SUM_CHUNK_BYTES = 64 * 2**20
 
 __all__ = ["MeshShape", "ShardLayout", "ShardingRules", "explicit_apply", "explicit_gradient",
            "explicit_mean_gradient", "explicit_private_gradient", "ici_shape", "make_mesh", "parse_mesh",
@@ -175,9 +173,10 @@ class ShardingRules:
     mesh: Mesh
     zero: int = 3
     min_shard_elements: int = DEFAULT_MIN_SHARD_ELEMENTS
-    # Under the explicit strategy at stage 3, a lookup table's clipped sum (float32) larger than this is formed and
-    # reduce-scattered to its owners in pieces of at most this many bytes (the whole sum and its reduction's
-    # output never exist at once: ``docs/benchmarks/tpu_aot.md``, "Why those two layer-wise steps held more").
+    # At stage 3, a lookup table's clipped sum (float32) larger than this is formed and reduce-scattered to its
+    # owners in pieces of at most this many bytes (the whole sum and its reduction's output never exist at once:
+    # ``docs/benchmarks/tpu_aot.md``, "Why those two layer-wise steps held more"): in ``shard_map`` under the
+    # explicit strategy, by constraining each piece to the table's split under GSPMD (:meth:`gspmd_hint`).
     sum_chunk_bytes: int = DEFAULT_SUM_CHUNK_BYTES
 
     def __post_init__(self):
@@ -213,6 +212,13 @@ class ShardingRules:
     def opt_state(self, opt_state):
         """Sharded at every stage; each leaf follows the parameter of its shape, scalars replicated."""
         return self._sharded(opt_state)
+
+    def gspmd_hint(self):
+        """The context a GSPMD step traces its gradient in (:func:`dpzero_jax.spmd.batch_sharded`): activations
+        split over the batch and, at stage 3, large lookup tables' clipped sums formed in pieces of at most
+        ``sum_chunk_bytes`` (:class:`dpzero_jax.spmd.TableSums`)."""
+        tables = spmd.TableSums(self.sum_chunk_bytes, self.min_shard_elements) if self.zero == 3 else None
+        return spmd.batch_sharded(self.mesh, BATCH_AXES, tables)
 
     def batch(self, batch):
         """Leading (example) axis split over ``data`` and ``fsdp``."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpzero_jax import adaptive_clipping, models, sharding, spmd
+from dpzero_jax import adaptive_clipping, models, sharding
 from dpzero_jax.config import DPConfig
 from dpzero_jax.engine import private_value_and_grad
 from dpzero_jax.train_config import PRECISIONS, TrainConfig
@@ -163,9 +163,9 @@ def build_step(cfg: TrainConfig, tx: optax.GradientTransformation, *, loss_fn, a
     if rules is not None and cfg.strategy == "explicit":  # gathers layer by layer, as the gradient does
         step_apply = bind(sharding.explicit_apply(apply_fn, rules, init_params))
 
-    # GSPMD: the scanned models' activations split over the batch, each weight gathered where used (spmd.py)
-    hint = (functools.partial(spmd.batch_sharded, rules.mesh, sharding.BATCH_AXES)
-            if rules is not None and cfg.strategy == "gspmd" else contextlib.nullcontext)
+    # GSPMD: the scanned models' activations split over the batch, each weight gathered where used, large tables'
+    # clipped sums in pieces (spmd.py)
+    hint = rules.gspmd_hint if rules is not None and cfg.strategy == "gspmd" else contextlib.nullcontext
 
     def step(params, opt_state, batch, noise_key, mask, frozen, clip_state):
         """``frozen``: the model's frozen variables (or ``{}``); ``clip_state``: ``()``, or adaptive clipping's

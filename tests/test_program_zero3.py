@@ -128,6 +128,44 @@ def test_a_table_sum_formed_in_pieces_equals_vmap_grad(mode, vocab, tied, microb
     assert pieces == whole + 3
 
 
+def _gspmd_clipped_sum(loss_fn, dp, rules, params):
+    """The clipped sum as the trainer's GSPMD step traces it (:meth:`ShardingRules.gspmd_hint`), jitted with the
+    stage's shardings."""
+    clipped = clipped_grad_sum(loss_fn, dp)
+    batch = {"ids": jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)}
+
+    def summed(p, b, m):
+        with rules.gspmd_hint():
+            return clipped(p, b, m)[1]
+    return jax.jit(summed, in_shardings=(rules.params(params), rules.batch(batch), rules.batch(0)),
+                   out_shardings=rules.grads(params))
+
+
+@pytest.mark.parametrize("mode, vocab, tied, pieces", [
+    ("bk", 64, True, 4),          # the table [64, 32] split on its rows: pieces of columns
+    ("fused", 66, True, 4),       # [66, 32] split on its columns: pieces of rows
+    ("fused", 64, False, 0),      # an untied lookup: clipped at its site (book-kept to be cut under explicit only)
+    ("ghost", 64, True, 0),       # ghost's weight path sums a tied table (no book-kept sum to cut)
+])
+def test_gspmd_forms_a_table_sum_in_pieces_equal_to_vmap_grad(mode, vocab, tied, pieces):
+    """GSPMD at stage 3 with ``sum_chunk_bytes`` a quarter of the table's float32 bytes: its clipped sum is formed in
+    four pieces, each constrained to the table's split (one more sharding constraint a piece in the traced step),
+    with the values of ``vmap(grad)``, a masked example included (8 devices). What it saves is the TPU compiler's
+    to show (XLA:CPU partitions this step otherwise): ``tests/test_tpu_aot.py``."""
+    _, params, batch, loss_fn = setup(False, tied=tied, vocab=vocab)
+    table = params["Embed_0"]["embedding"]
+    mask = jnp.ones((BATCH,), bool).at[3].set(False)
+    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode,
+                  groups="layer-wise", front_end="program")
+    constraints = []
+    for chunk_bytes in (sharding.DEFAULT_SUM_CHUNK_BYTES, table.size * 4 // 4):
+        step = _gspmd_clipped_sum(loss_fn, dp, make_rules(sum_chunk_bytes=chunk_bytes), params)
+        constraints.append(str(jax.make_jaxpr(step)(params, batch, mask)).count("sharding_constraint"))
+        assert_sums_close(step(params, batch, mask),
+                          _reference_clipped_sum(loss_fn, params, batch, mask, 0.05, "layer-wise"))
+    assert constraints[1] == constraints[0] + pieces
+
+
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "64MiB"])
 def test_sum_chunk_bytes_must_be_a_positive_number_of_bytes(value):
     with pytest.raises(ValueError, match="sum_chunk_bytes"):

@@ -317,8 +317,9 @@ def program_ghost(cfg, plan, params, batch, mask, layout=None):
     whole = bk.whole_leaves(plan, leaves, layout, cotangents)
     terms = bk._leaf_terms(plan, whole, records, cotangents, fallback_ct, captured | weighted_leaves,
                            method=cfg.norm_method)
+    split = zero3.tables(plan.paths, leaves, layout)
     sq, summers = bk.norms_and_summers(cfg, plan, whole, {i: t for i, t in terms.items() if i not in weighted_leaves},
-                                       size, layout=layout)
+                                       size, layout=split)
     # weighted leaves: normed as they are summed, in float32 (not in instantiated_dtype), nothing kept
     sq.update(bk.norms_and_summers(cfg, plan, whole, {i: t for i, t in terms.items() if i in weighted_leaves}, size,
                                    reuse=False)[0])
@@ -331,5 +332,5 @@ def program_ghost(cfg, plan, params, batch, mask, layout=None):
     weight_path_sums, _, _ = pullback((ones, port_ct))
     sums = {i: bk.clipped_sum(summers[i], coef[:, plan.group_of[plan.paths[i]]], whole[i]) for i in summers}
     sums.update({i: zero3.ready(v) for i, v in zip(trained_leaves, weight_path_sums)})
-    out = zero3.owned(plan.paths, leaves, sums, layout, scattered=frozenset(trained_leaves))
+    out = zero3.owned(plan.paths, leaves, sums, layout, scattered=frozenset(trained_leaves), split=split)
     return losses, jax.tree.unflatten(treedef, out), norms, coef

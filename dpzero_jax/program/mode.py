@@ -405,8 +405,9 @@ def _lookup_piece(factored, coef, axis: int, lo: int, hi: int, kernel: str):
 def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: bool = True, layout=None):
     """``({leaf: sq [B]}, {leaf: coef [B] -> clipped sum (leaf shape, float32)})`` from :func:`_leaf_terms`.
     ``reuse=False``: norms only (summed elsewhere: ghost mode's weighted leaves), in float32, nothing kept. Under a
-    ZeRO-3 ``layout`` a lookup table's summer larger than ``layout.sum_chunk_bytes`` is a :class:`ChunkedSummer`
-    (its pieces go to their owners one at a time: :func:`~dpzero_jax.program.zero3.owned`)."""
+    ZeRO-3 ``layout`` (:func:`~dpzero_jax.program.zero3.tables`: the shard_map's, or the GSPMD hint's split) a lookup
+    table's summer larger than ``layout.sum_chunk_bytes`` is a :class:`ChunkedSummer` (its pieces go to their owners
+    one at a time: :func:`~dpzero_jax.program.zero3.owned`)."""
     sq, summers = {}, {}
     for leaf, (form, value, axis) in terms.items():
         if not reuse:
@@ -457,10 +458,11 @@ def program_bk(cfg, plan: ProgramPlan, params, batch, mask, layout=None):
     whole = whole_leaves(plan, leaves, layout, probe_ct)
     terms = _leaf_terms(plan, whole, records, probe_ct, fallback_ct, method=cfg.norm_method,
                         example_axis=example_axes(plan), tapped=tapped)
-    sq, summers = norms_and_summers(cfg, plan, whole, terms, size, layout=layout)
+    split = zero3.tables(plan.paths, leaves, layout)
+    sq, summers = norms_and_summers(cfg, plan, whole, terms, size, layout=split)
     norms, coef = coefficients(cfg, plan, sq, losses, mask, size)
     sums = {i: clipped_sum(summers[i], coef[:, plan.group_of[plan.paths[i]]], whole[i]) for i in summers}
-    return losses, jax.tree.unflatten(treedef, zero3.owned(plan.paths, leaves, sums, layout)), norms, coef
+    return losses, jax.tree.unflatten(treedef, zero3.owned(plan.paths, leaves, sums, layout, split=split)), norms, coef
 
 
 def clipped_sum(summer, coef, leaf):

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from dpzero_jax import spmd
 from dpzero_jax.sketch import finite_zero
 
 
@@ -294,6 +295,14 @@ def whole(paths, leaves, layout, needs_value=frozenset(), after=None) -> list:
     return out
 
 
+def tables(paths, leaves, layout):
+    """What decides whether a lookup table's clipped sum is formed in pieces (:func:`piece_bounds`): the ZeRO-3
+    ``layout`` inside ``jax.shard_map`` (the ``explicit`` strategy), else, traced under a GSPMD hint that asks for it,
+    the parameters' split as :func:`dpzero_jax.spmd.sum_layout` reads it from the whole ``leaves``; None: neither
+    (every sum formed whole)."""
+    return layout if layout is not None else spmd.sum_layout(paths, leaves)
+
+
 def sharded_table(plan, site, layout) -> bool:
     """Whether ``site`` looks up rows of a 2-D table that ``layout`` splits and whose float32 clipped sum exceeds
     ``layout.sum_chunk_bytes`` (formed whole, its reduction to the owners is written beside it by the TPU compiler:
@@ -324,21 +333,27 @@ class InChunks:
         self.parts, self.axis = tuple(parts), axis
 
 
-def owned(paths, leaves, sums: dict, layout, scattered=frozenset()) -> list:
+def owned(paths, leaves, sums: dict, layout, scattered=frozenset(), split=None) -> list:
     """The clipped sums in the leaves' layout: ``sums[i](after)`` gives leaf ``i``'s whole sum (float32), formed only
     once ``after`` exists; zeros where a leaf has none. With a ``layout`` each whole sum goes to its owner
     (``psum_scatter`` over ``fsdp``) before the next is formed -- one whole-size sum alive at a time -- except the
     leaves in ``scattered`` (already in the owner's layout: the gradient of a differentiated shard). A sum given
     :class:`InChunks` goes piece by piece, each piece formed once the previous one is scattered: one piece alive at a
-    time, never the whole sum."""
+    time, never the whole sum. Under GSPMD (no ``layout``), ``split`` (:func:`tables`) constrains each piece of such
+    a sum to the leaf's split, the next piece formed once it exists; the other sums are left to the partitioner."""
     out, previous = [], None
     for i, (path, x) in enumerate(zip(paths, leaves)):
         if i not in sums:
             out.append(jnp.zeros(tuple(x.shape), jnp.float32))
             continue
         pieces = sums[i].parts if isinstance(sums[i], InChunks) else (sums[i],)
-        done = []
+        chained = layout is None and split is not None and isinstance(sums[i], InChunks)
+        done, piece = [], None
         for form in pieces:
+            if chained:
+                piece = split.scatter(path, form(piece))
+                done.append(piece)
+                continue
             value = form(previous if layout is not None else None)
             if layout is not None and i not in scattered:
                 value = layout.scatter(path, value)
