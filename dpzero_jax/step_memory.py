@@ -71,10 +71,10 @@ the non-private step's.
 ``docs/planner.md`` compares the model with 88 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
 shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the Mistral / Llama-3 /
 Qwen2 / Gemma presets), 76 of them read to write it (Mistral-7B's, Qwen2-7B's and the last round's 8 were not):
-0.91-1.09 of the compiler's peak on 84; 1.11 on a 2-block GPT-2 whose table is 57% of its parameters (the model-state
-rows count the table's 16-bit copy and gradient shard, which the compiled step does not hold at its peak), 1.25 on an
-8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler formed the tied table's per-example gradient after the
-blocks), 1.13 and 0.85 on two of the last round's DP steps at four sequences per chip. Shapes compiled after their
+0.91-1.09 of the compiler's peak on 85; 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler
+formed the tied table's per-example gradient after the blocks), 1.12 and 0.85 on two of the last round's DP steps at
+four sequences per chip. A book-kept table summed in pieces (:func:`table_sum_in_pieces`) on more than 32 devices
+holds neither its per-example gradients nor a whole fp32 sum through the blocks. Shapes compiled after their
 predictions were written were within 10% on 39 of 56 steps, 6 of 8 after the last refit (-30% to +48%): the compiler's
 choices change with the shape.
 
@@ -90,7 +90,7 @@ import dataclasses
 
 from dpzero_jax.decoder_shapes import DecoderConfig, lora_weights, weights
 from dpzero_jax.norm_rules import INSTANTIATION_MEMORY_BOUND, shape_rule
-from dpzero_jax.shard_layout import shard_axis
+from dpzero_jax.shard_layout import DEFAULT_SUM_CHUNK_BYTES, shard_axis
 
 PHASES = ("always", "backward", "carried", "LM head: table", "LM head: logits", "LM head: gradient", "held",
           "block: attention", "block: weights", "table gradient")
@@ -276,23 +276,28 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         share = -(-v * d // shards) if layout.windowed else v * d
         second_pass = held + (4 - c) * share
         # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
-        # the head's output gradient kept, with a relayout of it at b > 1)
-        per_example = 4 * b * v * d if booked and tied_table_instantiated(config, t, c, reuse=True) else 0
-        kept_outputs = c * b * t * v if per_example else kept_logits_gradient(b, t, v, c)
+        # the head's output gradient kept, with a relayout of it at b > 1); a table summed in pieces from its uses'
+        # factors (more than 32 devices) holds them only for the norm, at the head, and no whole fp32 sum
+        instantiated = booked and tied_table_instantiated(config, t, c, reuse=True)
+        in_pieces = instantiated and not layout.windowed and table_sum_in_pieces(config, shards)
+        per_example = 4 * b * v * d if instantiated and not in_pieces else 0
+        kept_outputs = c * b * t * v if instantiated else kept_logits_gradient(b, t, v, c)
         terms += [
             Term("DP: tied table's weight path, first pass (output gradients, per-example gradients)", "held",
                  max(0, weight_path_first_pass(config, b, t, c) - second_pass) if config.tied and not booked else 0,
                  "b T (V + d) c [+ 4 b V d], less the second pass's held sums (tied, weight path)"),
-            Term("DP: LM head's clipped sum, fp32, held", "held", (4 - c) * share,
-                 "(4 - c) V d (/ F when reduce-scattered)"),
+            Term("DP: LM head's clipped sum, fp32, held", "held", 0 if in_pieces else (4 - c) * share,
+                 "(4 - c) V d (/ F when reduce-scattered; none summed in pieces)"),
             Term("DP: LM head's clipped sum, fp32, all-reduced whole at the end", "table gradient",
                  0 if layout.d_sharded or layout.windowed else 4 * v * d,
                  "4 V d (a vocabulary-sharded table, more than 32 devices)"),
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
-                 4 * v * d + per_example if booked else 0, "4 V d [+ 4 b V d instantiated] (tied and book-kept)"),
+                 (4 * b * v * d if in_pieces else 4 * v * d + per_example) if booked else 0,
+                 "4 V d [+ 4 b V d instantiated]; 4 b V d summed in pieces (tied and book-kept)"),
             Term("DP: tied table's per-example gradients (book-kept) + logits gradient, held", "held",
                  per_example + kept_outputs if booked else 0,
-                 "4 b V d + c b T V instantiated, else c b T V (twice at b > 1) (tied and book-kept)"),
+                 "4 b V d + c b T V instantiated (c b T V summed in pieces), else c b T V (twice at b > 1) "
+                 "(tied and book-kept)"),
         ]
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
@@ -338,6 +343,14 @@ def dp_float32_sums(config: DecoderConfig, shards: int, c: int, p_g: int, g: str
         Term("DP: LM head's clipped sum, fp32, formed (untied head)", "LM head: logits", 4 * v * d if formed else 0,
              "4 V d"),
     ]
+
+
+def table_sum_in_pieces(config: DecoderConfig, shards: int) -> bool:
+    """Whether the DP step forms the ``[V, d]`` table's clipped sum in pieces from its uses' factors (a book-kept
+    table split over ``shards`` whose float32 sum exceeds ``ShardingRules.sum_chunk_bytes``, the default:
+    :func:`dpzero_jax.program.zero3.piece_bounds`), not from kept per-example gradients."""
+    v, d = config.vocab, config.d_model
+    return shard_axis((v, d), shards) is not None and 4 * v * d > DEFAULT_SUM_CHUNK_BYTES
 
 
 def tied_table_instantiated(config: DecoderConfig, t: int, c: int, reuse: bool) -> bool:

@@ -427,7 +427,10 @@ def test_block_remat_tied_table_weight_path_first_pass_counted_by_hand():
     assert terms["LM head gradient (or what forms it), held to the update"] == 2 * -(-v * d // 32) + 2 * 2 * 1024 * v
     # book-kept (GPT-2 XL's table at 8 sequences per chip): no such buffer. At T 1024 its norm is ghost: the
     # logits' gradient (and a relayout of it) is held through the blocks, the fp32 sum formed in the head; at T 2048
-    # the rule with reuse instantiates the per-example gradients, held through the blocks with the logits' gradient
+    # the rule with reuse instantiates the per-example gradients: on at most 32 chips held through the blocks with
+    # the logits' gradient; on more the table's clipped sum is formed in pieces from its uses' factors (its fp32
+    # sum over ShardingRules.sum_chunk_bytes), so they live at the head only, for the norm, and no whole fp32 sum
+    # is held
     held_name = "DP: tied table's per-example gradients (book-kept) + logits gradient, held"
     formed_name = "DP: tied table's per-example gradients (book-kept) + clipped sum, fp32"
     plan = planner.plan_memory(planner.resolve_model("gpt2-xl"), 16, 128, 1024, "bf16", 3, remat="block")
@@ -435,9 +438,15 @@ def test_block_remat_tied_table_weight_path_first_pass_counted_by_hand():
     assert terms.get(name, 0) == 0
     assert terms[held_name] == 2 * (2 * 8 * 1024 * v) and terms[formed_name] == 4 * v * d
     long_context = dataclasses.replace(planner.resolve_model("gpt2-xl"), n_ctx=2048)
-    plan = planner.plan_memory(long_context, 64, 128, 2048, "bf16", 3, remat="block")
+    plan = planner.plan_memory(long_context, 32, 64, 2048, "bf16", 3, remat="block")
     terms = {term.name: term.bytes for term in plan.temporaries}
     assert terms[held_name] == 4 * 2 * v * d + 2 * 2 * 2048 * v and terms[formed_name] == 4 * 3 * v * d
+    assert terms["DP: LM head's clipped sum, fp32, held"] == 2 * -(-v * d // 32)
+    assert 4 * v * d > 64 * 2**20      # the default ShardingRules.sum_chunk_bytes
+    plan = planner.plan_memory(long_context, 64, 128, 2048, "bf16", 3, remat="block")
+    terms = {term.name: term.bytes for term in plan.temporaries}
+    assert terms[held_name] == 2 * 2 * 2048 * v and terms[formed_name] == 4 * 2 * v * d
+    assert terms["DP: LM head's clipped sum, fp32, held"] == 0
 
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):
