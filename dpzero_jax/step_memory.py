@@ -68,15 +68,15 @@ trained) the same buffers with the adapters' parameters ``p_a`` in the stacked g
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 88 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
+``docs/planner.md`` compares the model with 96 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
 shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the Mistral / Llama-3 /
-Qwen2 / Gemma presets), 76 of them read to write it (Mistral-7B's, Qwen2-7B's and the last round's 8 were not):
-0.91-1.09 of the compiler's peak on 85; 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler
-formed the tied table's per-example gradient after the blocks), 1.12 and 0.85 on two of the last round's DP steps at
-four sequences per chip. A book-kept table summed in pieces (:func:`table_sum_in_pieces`) on more than 32 devices
-holds neither its per-example gradients nor a whole fp32 sum through the blocks. Shapes compiled after their
-predictions were written were within 10% on 39 of 56 steps, 6 of 8 after the last refit (-30% to +48%): the compiler's
-choices change with the shape.
+Qwen2 / Gemma presets), 84 of them read to write or refit it (Mistral-7B's, Qwen2-7B's and round 9's 8 were not):
+0.91-1.09 of the compiler's peak on 93; 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler
+formed the tied table's per-example gradient after the blocks), 1.10 on a 6-layer GPT-2 XL's non-private step on 256
+chips (its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences per chip. A book-kept table summed
+in pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a whole fp32 sum through the
+blocks. Shapes compiled after their predictions were written were within 10% on 45 of 64 steps, 6 of 8 in each of
+the last two rounds (-30% to +48%): the compiler's choices change with the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
@@ -277,11 +277,13 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         second_pass = held + (4 - c) * share
         # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
         # the head's output gradient kept, with a relayout of it at b > 1); a table summed in pieces from its uses'
-        # factors (more than 32 devices) holds them only for the norm, at the head, and no whole fp32 sum
+        # factors holds them only for the norm, at the head, and no whole fp32 sum. A windowed head at b > 1 already
+        # holds the logits' gradient in the non-private step (held_term): not counted twice
         instantiated = booked and tied_table_instantiated(config, t, c, reuse=True)
-        in_pieces = instantiated and not layout.windowed and table_sum_in_pieces(config, shards)
+        in_pieces = instantiated and table_sum_in_pieces(config, shards)
         per_example = 4 * b * v * d if instantiated and not in_pieces else 0
         kept_outputs = c * b * t * v if instantiated else kept_logits_gradient(b, t, v, c)
+        kept_outputs -= c * b * t * v if layout.windowed and b > 1 else 0
         terms += [
             Term("DP: tied table's weight path, first pass (output gradients, per-example gradients)", "held",
                  max(0, weight_path_first_pass(config, b, t, c) - second_pass) if config.tied and not booked else 0,
@@ -296,8 +298,8 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
                  "4 V d [+ 4 b V d instantiated]; 4 b V d summed in pieces (tied and book-kept)"),
             Term("DP: tied table's per-example gradients (book-kept) + logits gradient, held", "held",
                  per_example + kept_outputs if booked else 0,
-                 "4 b V d + c b T V instantiated (c b T V summed in pieces), else c b T V (twice at b > 1) "
-                 "(tied and book-kept)"),
+                 "4 b V d + c b T V instantiated (c b T V summed in pieces), else c b T V (twice at b > 1), less "
+                 "the windowed head's c b T V at b > 1 (tied and book-kept)"),
         ]
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not

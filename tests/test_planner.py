@@ -331,7 +331,8 @@ def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
     the table ``2 V d`` and two bf16 logits ``2 x 2 x 1024 V``. The DP step sums the tied table by its weight path
     (``ghost.weighted``'s memory rule), so nothing book-kept; its sums are fp32: the matrix's ``8 W`` at the attention
     (still the block's larger moment) and ``16 W`` at the weights, the head's sum ``4 V d`` held. GPT-2 small at 8
-    sequences per chip book-keeps its table: ``4 (8 + 1) V d`` in the LM head."""
+    sequences per chip book-keeps its table, and its fp32 sum (over 64 MiB) is formed in pieces: the per-example
+    gradients ``4 x 8 V d`` in the LM head, for the norm, and no whole sum."""
     v, d, t = 50257, 1600, 1024
     plan = planner.plan_memory("gpt2-xl", 256, 256, t, "bf16", 3, remat="block", shards=64)
     p_l, w = 12 * d**2 + 13 * d, 4 * d * d
@@ -350,7 +351,7 @@ def test_block_remat_gpt2_xl_tied_table_counted_by_hand():
     assert plan.dp_extra == dp_block - block
     small = planner.plan_memory("gpt2", 4, 32, t, "bf16", 3, remat="block", shards=4)
     booked = {term.name: term.bytes for term in small.temporaries}
-    assert booked["DP: tied table's per-example gradients (book-kept) + clipped sum, fp32"] == 4 * 9 * v * 768
+    assert booked["DP: tied table's per-example gradients (book-kept) + clipped sum, fp32"] == 4 * 8 * v * 768
 
 
 def test_block_remat_windowed_head_and_gathered_activations_counted_by_hand():
@@ -426,23 +427,26 @@ def test_block_remat_tied_table_weight_path_first_pass_counted_by_hand():
     terms = {term.name: term.bytes for term in plan.temporaries}
     assert terms["LM head gradient (or what forms it), held to the update"] == 2 * -(-v * d // 32) + 2 * 2 * 1024 * v
     # book-kept (GPT-2 XL's table at 8 sequences per chip): no such buffer. At T 1024 its norm is ghost: the
-    # logits' gradient (and a relayout of it) is held through the blocks, the fp32 sum formed in the head; at T 2048
-    # the rule with reuse instantiates the per-example gradients: on at most 32 chips held through the blocks with
-    # the logits' gradient; on more the table's clipped sum is formed in pieces from its uses' factors (its fp32
-    # sum over ShardingRules.sum_chunk_bytes), so they live at the head only, for the norm, and no whole fp32 sum
-    # is held
+    # logits' gradient and a relayout of it are held through the blocks, the fp32 sum formed in the head (on 16
+    # chips, windowed, the non-private step holds the logits' gradient already: the DP step adds the relayout); at
+    # T 2048 the rule with reuse instantiates the per-example gradients, but the table's clipped sum is formed in
+    # pieces from its uses' factors (its fp32 sum over ShardingRules.sum_chunk_bytes), so they live at the head only,
+    # for the norm; the logits' gradient is held through the blocks, and no whole fp32 sum. On 32 chips (windowed) the
+    # non-private step already holds that logits' gradient at two sequences per chip: the DP step adds none
     held_name = "DP: tied table's per-example gradients (book-kept) + logits gradient, held"
     formed_name = "DP: tied table's per-example gradients (book-kept) + clipped sum, fp32"
     plan = planner.plan_memory(planner.resolve_model("gpt2-xl"), 16, 128, 1024, "bf16", 3, remat="block")
     terms = {term.name: term.bytes for term in plan.temporaries}
     assert terms.get(name, 0) == 0
-    assert terms[held_name] == 2 * (2 * 8 * 1024 * v) and terms[formed_name] == 4 * v * d
+    assert terms["LM head gradient (or what forms it), held to the update"] == 2 * -(-v * d // 16) + 2 * 8 * 1024 * v
+    assert terms[held_name] == 2 * 8 * 1024 * v and terms[formed_name] == 4 * v * d
     long_context = dataclasses.replace(planner.resolve_model("gpt2-xl"), n_ctx=2048)
+    assert 4 * v * d > 64 * 2**20      # the default ShardingRules.sum_chunk_bytes
     plan = planner.plan_memory(long_context, 32, 64, 2048, "bf16", 3, remat="block")
     terms = {term.name: term.bytes for term in plan.temporaries}
-    assert terms[held_name] == 4 * 2 * v * d + 2 * 2 * 2048 * v and terms[formed_name] == 4 * 3 * v * d
-    assert terms["DP: LM head's clipped sum, fp32, held"] == 2 * -(-v * d // 32)
-    assert 4 * v * d > 64 * 2**20      # the default ShardingRules.sum_chunk_bytes
+    assert terms["LM head gradient (or what forms it), held to the update"] == 2 * -(-v * d // 32) + 2 * 2 * 2048 * v
+    assert terms[held_name] == 0 and terms[formed_name] == 4 * 2 * v * d
+    assert terms["DP: LM head's clipped sum, fp32, held"] == 0
     plan = planner.plan_memory(long_context, 64, 128, 2048, "bf16", 3, remat="block")
     terms = {term.name: term.bytes for term in plan.temporaries}
     assert terms[held_name] == 2 * 2 * 2048 * v and terms[formed_name] == 4 * 2 * v * d
