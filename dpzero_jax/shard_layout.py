@@ -1,4 +1,5 @@
-"""Which dimension of a weight ZeRO splits over the ``fsdp`` devices (no JAX: the planner uses it too).
+"""Which dimension of a weight ZeRO splits over the ``fsdp`` devices, and how a split table's clipped sum is cut into
+pieces (:func:`piece_bounds`); no JAX: the planner uses both.
 
 One dimension per weight, divisible by the number of devices: preferably one whose shards keep a dimension that is a
 multiple of 128, then the largest, then the first. A TPU lays an array out in tiles of 8 x 128 32-bit elements over
@@ -44,3 +45,17 @@ def shard_axis(shape: tuple[int, ...], fsdp: int, min_shard_elements: int = DEFA
         shard = tuple(size // fsdp if a == axis else size for a, size in enumerate(shape))
         return not fills_lanes(shard), -shape[axis], axis
     return min(divisible, key=waste_then_size)
+
+
+def piece_bounds(shape, dim: int | None, chunk_bytes: int):
+    """How ZeRO-3 forms a lookup table's clipped sum (``dpzero_jax.program.zero3``; the planner counts it too):
+    ``(axis, [(lo, hi), ...])``: a 2-D leaf split on ``dim``, its float32 sum cut along the other axis into pieces
+    of at most ``chunk_bytes``; None when the leaf is not 2-D, not split, or its sum fits in one piece."""
+    shape = tuple(shape)
+    if dim is None or len(shape) != 2:
+        return None
+    extent = shape[1 - dim]
+    pieces = min(extent, -(-4 * math.prod(shape) // chunk_bytes))
+    if pieces < 2:
+        return None
+    return 1 - dim, [(k * extent // pieces, (k + 1) * extent // pieces) for k in range(pieces)]

@@ -121,7 +121,7 @@ def constrain_batch(x: jax.Array) -> jax.Array:
 
 class SumLayout:
     """The parameters' ZeRO-3 split under GSPMD, as the clipped sums need it (the interface of
-    :class:`dpzero_jax.sharding.ShardLayout` that :func:`dpzero_jax.program.zero3.piece_bounds` and the modes' table
+    :class:`dpzero_jax.sharding.ShardLayout` that :func:`dpzero_jax.shard_layout.piece_bounds` and the modes' table
     pieces read): ``dim(path)`` (the dimension split over ``fsdp``, or None), ``full(path)`` (the whole leaf),
     ``sum_chunk_bytes``, and ``scatter(path, value)``: a piece of a leaf's sum (whole along the split dimension)
     constrained to that split, where the partitioner reduces it to its owners."""

@@ -90,7 +90,7 @@ import dataclasses
 
 from dpzero_jax.decoder_shapes import DecoderConfig, lora_weights, weights
 from dpzero_jax.norm_rules import INSTANTIATION_MEMORY_BOUND, shape_rule
-from dpzero_jax.shard_layout import DEFAULT_SUM_CHUNK_BYTES, shard_axis
+from dpzero_jax.shard_layout import DEFAULT_SUM_CHUNK_BYTES, piece_bounds, shard_axis
 
 PHASES = ("always", "backward", "carried", "LM head: table", "LM head: logits", "LM head: gradient", "held",
           "block: attention", "block: weights", "table gradient")
@@ -200,15 +200,20 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
     if not trained:
         return Term(name, "held", 0, "0 (frozen)")
     if layout.windowed and layout.whole:
-        # at b > 1 the logits' gradient waits for the windowed einsum after the blocks (GPT-2 XL at two sequences
-        # per chip on 32: bf16[2, 1024, 50257] live in the blocks' backward; at one sequence it was not)
-        return Term(name, "held", c * -(-v * d // shards) + (c * b * t * v if b > 1 else 0),
+        return Term(name, "held", c * -(-v * d // shards) + waiting_logits_gradient(layout, b, t, v, c),
                     "c V d / F (F <= 32: reduce-scattered) [+ c b T V, the logits' gradient, at b > 1]")
     if layout.whole:
         return Term(name, "held", c * v * d, "c V d (the table whole)")
     if config.tied or config.family == "gpt2":
         return Term(name, "held", c * b * t * v + c * n * b * t * d, "c b T V + c N b T d (GPT-2 family or tied)")
     return Term(name, "held", 0, "0 (a Llama-family untied head, activations gathered)")
+
+
+def waiting_logits_gradient(layout: HeadLayout, b: int, t: int, v: int, c: int) -> int:
+    """The logits' gradient ``c b T V`` a windowed whole head holds through the blocks at ``b > 1``, waiting for the
+    windowed einsum after them (GPT-2 XL at two sequences per chip on 32: ``bf16[2, 1024, 50257]`` live in the blocks'
+    backward; at one sequence it was not); 0 otherwise."""
+    return c * b * t * v if layout.windowed and layout.whole and b > 1 else 0
 
 
 def block_terms(config: DecoderConfig, b: int, t: int, c: int, w: int, windowed: bool) -> list[Term]:
@@ -282,8 +287,8 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         instantiated = booked and tied_table_instantiated(config, t, c, reuse=True)
         in_pieces = instantiated and table_sum_in_pieces(config, shards)
         per_example = 4 * b * v * d if instantiated and not in_pieces else 0
-        kept_outputs = c * b * t * v if instantiated else kept_logits_gradient(b, t, v, c)
-        kept_outputs -= c * b * t * v if layout.windowed and b > 1 else 0
+        kept = c * b * t * v if instantiated else kept_logits_gradient(b, t, v, c)
+        kept_outputs = kept - waiting_logits_gradient(layout, b, t, v, c)
         terms += [
             Term("DP: tied table's weight path, first pass (output gradients, per-example gradients)", "held",
                  max(0, weight_path_first_pass(config, b, t, c) - second_pass) if config.tied and not booked else 0,
@@ -349,10 +354,10 @@ def dp_float32_sums(config: DecoderConfig, shards: int, c: int, p_g: int, g: str
 
 def table_sum_in_pieces(config: DecoderConfig, shards: int) -> bool:
     """Whether the DP step forms the ``[V, d]`` table's clipped sum in pieces from its uses' factors (a book-kept
-    table split over ``shards`` whose float32 sum exceeds ``ShardingRules.sum_chunk_bytes``, the default:
-    :func:`dpzero_jax.program.zero3.piece_bounds`), not from kept per-example gradients."""
-    v, d = config.vocab, config.d_model
-    return shard_axis((v, d), shards) is not None and 4 * v * d > DEFAULT_SUM_CHUNK_BYTES
+    table split over ``shards`` whose float32 sum exceeds ``ShardingRules.sum_chunk_bytes``, the default: the
+    engine's :func:`~dpzero_jax.shard_layout.piece_bounds`), not from kept per-example gradients."""
+    shape = (config.vocab, config.d_model)
+    return piece_bounds(shape, shard_axis(shape, shards), DEFAULT_SUM_CHUNK_BYTES) is not None
 
 
 def tied_table_instantiated(config: DecoderConfig, t: int, c: int, reuse: bool) -> bool:

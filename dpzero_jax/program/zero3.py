@@ -28,13 +28,13 @@ reduce-scattered in its stored precision.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
 from dpzero_jax import spmd
+from dpzero_jax.shard_layout import piece_bounds
 from dpzero_jax.sketch import finite_zero
 
 
@@ -310,19 +310,6 @@ def sharded_table(plan, site, layout) -> bool:
     path = plan.paths[site.view.leaf]
     return (site.kind == "gather" and not site.lengths
             and piece_bounds(layout.full(path).shape, layout.dim(path), layout.sum_chunk_bytes) is not None)
-
-
-def piece_bounds(shape, dim: int | None, chunk_bytes: int):
-    """``(axis, [(lo, hi), ...])``: a 2-D leaf split on ``dim``, its float32 sum cut along the other axis into pieces
-    of at most ``chunk_bytes``; None when the leaf is not 2-D, not split, or its sum fits in one piece."""
-    shape = tuple(shape)
-    if dim is None or len(shape) != 2:
-        return None
-    extent = shape[1 - dim]
-    pieces = min(extent, -(-4 * math.prod(shape) // chunk_bytes))
-    if pieces < 2:
-        return None
-    return 1 - dim, [(k * extent // pieces, (k + 1) * extent // pieces) for k in range(pieces)]
 
 
 class InChunks:
