@@ -284,8 +284,10 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # the head's output gradient kept, with a relayout of it at b > 1); a table summed in pieces from its uses'
         # factors holds them only for the norm, at the head, and no whole fp32 sum. A windowed head at b > 1 already
         # holds the logits' gradient in the non-private step (held_term): not counted twice
-        instantiated = booked and tied_table_instantiated(config, t, c, reuse=True)
-        in_pieces = instantiated and table_sum_in_pieces(config, shards)
+        # a table summed in pieces is normed alone (the rule without reuse), else by book-keeping's rule with reuse
+        pieces = table_sum_in_pieces(config, shards)
+        instantiated = booked and tied_table_instantiated(config, t, c, reuse=not pieces)
+        in_pieces = instantiated and pieces
         per_example = 4 * b * v * d if instantiated and not in_pieces else 0
         kept = c * b * t * v if instantiated else kept_logits_gradient(b, t, v, c)
         kept_outputs = kept - waiting_logits_gradient(layout, b, t, v, c)

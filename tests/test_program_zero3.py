@@ -6,12 +6,13 @@ virtual devices: the private clipped sums. The non-private steps and the trainer
 References are independent of the engine: ``jax.vmap(jax.grad)`` per-example gradients on whole parameters,
 clipped and summed in the test; the model's own forward."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from zero3_linen import BATCH, SEQ, assert_sums_close, setup
+from zero3_linen import BATCH, SEQ, VOCAB, assert_sums_close, setup
 from zero3_linen import rules as make_rules
 
 from dpzero_jax import DPConfig, sharding
@@ -205,3 +206,53 @@ def test_a_table_summed_in_pieces_holds_less_than_a_whole_one():
             .compile().memory_analysis().temp_size_in_bytes
             for chunk in (sharding.DEFAULT_SUM_CHUNK_BYTES, table_bytes // 8)]
     assert temp[1] < temp[0] - table_bytes // 2, temp
+
+
+class _TiedTable(nn.Module):
+    """Only a tied table, float32 throughout: logits ``E[ids] E^T``."""
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(VOCAB, 32)
+        return embed.attend(embed(ids))
+
+
+@pytest.mark.parametrize("strategy", ["gspmd", "explicit"])
+@pytest.mark.parametrize("mode", ["bk", "fused"])
+def test_a_table_summed_in_pieces_is_clipped_by_its_exact_norm(mode, strategy):
+    """ZeRO-3 forms a large lookup table's clipped sum in pieces from its uses' factors, in float32; the norm that
+    clips it must be that gradient's. With ``instantiated_dtype="bfloat16"`` and the gradient instantiated, the norm
+    was taken of a bfloat16 copy kept for a sum never formed from it (norms off by up to 1e-3 relative here, so an
+    example could move the sum by more than the threshold); ``vmap(grad)``'s float32 norms are the reference. The
+    table ``[64, 32]`` split over 8 devices, pieces of a quarter of its float32 bytes."""
+    model = _TiedTable()
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
+
+    def loss_fn(p, batch):
+        logp = jax.nn.log_softmax(model.apply({"params": p}, batch["ids"]))
+        return -jnp.mean(jnp.take_along_axis(logp, batch["ids"][..., None], -1)[..., 0], axis=-1)
+
+    per_example = jax.vmap(jax.grad(lambda p, x: loss_fn(p, {"ids": x[None]})[0]), in_axes=(None, 0))(params, ids)
+    expected = np.sqrt(np.sum(np.square(np.asarray(per_example["Embed_0"]["embedding"], np.float64)), axis=(1, 2)))
+    rules = make_rules(sum_chunk_bytes=params["Embed_0"]["embedding"].size)
+    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode,
+                  front_end="program", norm_method="instantiate", instantiated_dtype="bfloat16")
+    batch, mask = {"ids": ids}, jnp.ones((BATCH,), bool)
+    if strategy == "gspmd":
+        clipped = clipped_grad_sum(loss_fn, dp)
+
+        def norms(p, b, m):
+            with rules.gspmd_hint():
+                return clipped(p, b, m)[2].norms
+    else:
+        clipped = clipped_grad_sum(loss_fn, dp, layout=sharding.ShardLayout(rules, params))
+
+        def local(p, b, m):
+            losses, sums, stats = clipped(p, b, m)
+            return losses, sums, stats.norms
+        summed = sharding.explicit_gradient(local, rules, params, gather_by_layer=True, per_example_outputs=1)
+
+        def norms(p, b, m):
+            return summed(p, b, m)[2]
+    np.testing.assert_allclose(np.asarray(jax.jit(norms)(params, batch, mask)), expected, rtol=2e-6)

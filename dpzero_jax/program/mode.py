@@ -313,7 +313,8 @@ def _outer_uses(factored, k: int | None = None, examples_major: bool = False):
 def _outer_norm_and_sum(factored, method: str, kernel: str, batch: int, dtype="float32", reuse: bool = True):
     """``(sq [B], clipped(coef) -> [K, rows, cols])`` for one leaf with factored uses; an instantiated gradient is
     kept (and normed) in ``dtype`` (``DPConfig.instantiated_dtype``). ``reuse=False``: the clipped sum is formed
-    elsewhere (ghost mode's weighted leaves); the norm is then taken in float32 and nothing is kept for a sum."""
+    elsewhere (ghost mode's weighted leaves, a table's pieces); the norm is then taken in float32 and nothing is kept
+    for a sum."""
     k = factored[0][1].left.shape[0]
     # Blocks major, as sites.factored leaves them: an instantiated gradient is kept [K, B, rows, cols], its clipped
     # sum one contraction over the examples with the blocks as its batch (merged examples first, XLA:CPU transposed
@@ -407,7 +408,8 @@ def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: b
     ``reuse=False``: norms only (summed elsewhere: ghost mode's weighted leaves), in float32, nothing kept. Under a
     ZeRO-3 ``layout`` (:func:`~dpzero_jax.program.zero3.tables`: the shard_map's, or the GSPMD hint's split) a lookup
     table's summer larger than ``layout.sum_chunk_bytes`` is a :class:`ChunkedSummer` (its pieces go to their owners
-    one at a time: :func:`~dpzero_jax.program.zero3.owned`)."""
+    one at a time: :func:`~dpzero_jax.program.zero3.owned`), formed from the uses' factors in float32; its norm is
+    taken as ``reuse=False`` takes it, of that gradient (no copy in ``instantiated_dtype``, which no sum would read)."""
     sq, summers = {}, {}
     for leaf, (form, value, axis) in terms.items():
         if not reuse:
@@ -421,15 +423,18 @@ def norms_and_summers(cfg, plan: ProgramPlan, leaves, terms, size: int, reuse: b
             sq[leaf] = pergrad.direct_sq_norm(value, axis)
             summers[leaf] = (lambda v, a: lambda coef: pergrad.weighted_rows_at(v, coef, a))(value, axis)
         else:
-            sq[leaf], clipped = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size,
-                                                    cfg.instantiated_dtype)
-            site, first = value[0]
             chunks = None if layout is None else _lookup_pieces(value, leaves[leaf], layout.dim(plan.paths[leaf]),
                                                                 layout.sum_chunk_bytes)
             if chunks is not None:
+                # summed in pieces from the uses' factors: normed alone, in float32 (nothing is kept for the sum,
+                # and the norm is of the gradient the pieces add up, not of a copy in instantiated_dtype)
+                sq[leaf], _ = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size, reuse=False)
                 summers[leaf] = ChunkedSummer(functools.partial(_lookup_piece, value, kernel=cfg.norm_kernel),
                                               chunks[1], chunks[0])
                 continue
+            sq[leaf], clipped = _outer_norm_and_sum(value, cfg.norm_method, cfg.norm_kernel, size,
+                                                    cfg.instantiated_dtype)
+            site, first = value[0]
             summers[leaf] = (lambda c, s, f, lf: lambda coef: sites_lib.to_leaf(s, c(coef), lf, f))(
                 clipped, site, first, leaves[leaf])
     return sq, summers
