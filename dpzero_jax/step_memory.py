@@ -68,15 +68,16 @@ trained) the same buffers with the adapters' parameters ``p_a`` in the stacked g
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 96 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a Llama-2-70B
-shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the Mistral / Llama-3 /
-Qwen2 / Gemma presets), 84 of them read to write or refit it (Mistral-7B's, Qwen2-7B's and round 9's 8 were not):
-0.91-1.09 of the compiler's peak on 93; 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler
-formed the tied table's per-example gradient after the blocks), 1.10 on a 6-layer GPT-2 XL's non-private step on 256
-chips (its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences per chip. A book-kept table summed
-in pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a whole fp32 sum through the
-blocks. Shapes compiled after their predictions were written were within 10% on 45 of 64 steps, 6 of 8 in each of
-the last two rounds (-30% to +48%): the compiler's choices change with the shape.
+``docs/planner.md`` compares the model with 104 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a
+Llama-2-70B shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the
+Mistral / Llama-3 / Qwen2 / Gemma presets on 32-256 chips), 86 of them read to write or refit it: 0.91-1.09 of the
+compiler's peak on 99; 0.87 / 1.18 on Qwen2-7B on 32 chips (its non-private step holds the head's logits' gradient
+and gathered activations through the blocks, the DP step not), 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at
+T 2048 (its compiler formed the tied table's per-example gradient after the blocks), 1.10 on a 6-layer GPT-2 XL's
+non-private step on 256 chips (its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences per chip.
+A book-kept table summed in pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a
+whole fp32 sum through the blocks. Shapes compiled after their predictions were written were within 10% on 50 of
+72 steps, 5 of 8 in the last round (-43% to +48%): the compiler's choices change with the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
@@ -308,6 +309,18 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
                  "4 b V d + c b T V instantiated (c b T V summed in pieces), else c b T V (twice at b > 1), less "
                  "the windowed head's c b T V at b > 1 (tied and book-kept)"),
         ]
+    elif config.tied and not booked:
+        # a vocabulary-sharded head (activations gathered over the N devices): the weight path's norm after the blocks
+        # instantiates the table's fp32 per-example gradient (the head's rows for all N b examples, f32[64, 4000,
+        # 2048] on Gemma-2B's shape on 64 v5e chips, and the lookup's scattered into a whole f32[256000, 2048]; the
+        # compiler's peak holds 4 b V d of them, its replayed liveness both), beside the activations gathered in fp32
+        # for the weight path's float32 sum (f32[64, 2048, 2048])
+        instantiated = tied_table_instantiated(config, t, c, reuse=False)
+        terms.append(Term("DP: tied table's weight path, its norm after the blocks (fp32 per-example gradients, fp32 "
+                          "gathered activations)", "table gradient",
+                          4 * b * v * d + 4 * n * b * t * d if instantiated else 0,
+                          "4 b V d + 4 N b T d (tied, weight path, instantiated for the norm; the head on the "
+                          "device's vocabulary rows)"))
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
         terms.append(Term("DP: gathered activations not held (the second pass keeps the logits' gradient only)",
