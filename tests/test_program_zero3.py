@@ -222,9 +222,10 @@ class _TiedTable(nn.Module):
 def test_a_table_summed_in_pieces_is_clipped_by_its_exact_norm(mode, strategy):
     """ZeRO-3 forms a large lookup table's clipped sum in pieces from its uses' factors, in float32; the norm that
     clips it must be that gradient's. With ``instantiated_dtype="bfloat16"`` and the gradient instantiated, the norm
-    was taken of a bfloat16 copy kept for a sum never formed from it (norms off by up to 1e-3 relative here, so an
+    was taken of a bfloat16 copy kept for a sum never formed from it (norms off by up to 4e-4 relative here, so an
     example could move the sum by more than the threshold); ``vmap(grad)``'s float32 norms are the reference. The
-    table ``[64, 32]`` split over 8 devices, pieces of a quarter of its float32 bytes."""
+    table ``[64, 32]`` split over 8 devices, pieces of a quarter of its float32 bytes; with the pieces larger than
+    the table, the book-kept copy is what is summed, and normed."""
     model = _TiedTable()
     ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(0), ids)["params"]
