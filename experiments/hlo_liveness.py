@@ -16,7 +16,7 @@ unseen. This replays the whole module from the files ``--xla_dump_to`` writes fo
 
 A buffer is live from its first position to its last position or use in the flattened schedule; the peak is the
 largest sum. On the steps of ``experiments/planner_vs_tpu.py`` it equals the compiler's ``peak_memory_in_bytes``
-within 1% (80 of 84 dumped steps of it and ``tpu_aot.py``; LoRA on the 70B shape 0.96; of the Gemma and Llama-3
+within 1% (88 of 92 dumped steps of it and ``tpu_aot.py``; LoRA on the 70B shape 0.96; of the Gemma and Llama-3
 presets 0.81-1.00: an all-reduce's in-place reuse guessed wrong; Gemma-2B's sizes on 64 chips, DP, 1.26: it holds both
 the head's and the lookup's fp32 per-example table gradients, of which the compiler's peak can hold one; the
 explicit strategy's GPT-2 XL variants 1.02-1.04), and it lists what is live there -- the evidence

@@ -470,6 +470,27 @@ def test_block_remat_tied_table_norm_behind_a_vocabulary_sharded_head_counted_by
     assert terms.get(name, 0) == 0
 
 
+
+def test_block_remat_late_head_gradient_on_17_to_32_devices_counted_by_hand():
+    """Qwen2-7B (untied, V 152064, d 3584) on 32 chips at T 2048: more vocabulary than tokens, so the head runs on
+    each chip's vocabulary rows with every chip's activations gathered; the non-private step forms the head's
+    gradient after the blocks, holding the logits' gradient and the gathered activations through them (``c b T V +
+    c N b T d``); the DP step norms the head where its output gradient is formed and holds neither, but at the head
+    the ghost norm's fp32 Grams of all 32 gathered sequences and a relayout of the logits' gradient. On 16 chips the
+    non-private step holds nothing there (a Llama family's untied head)."""
+    v, d, t, n = 152064, 3584, 2048, 32
+    held = "LM head gradient (or what forms it), held to the update"
+    terms = {term.name: term.bytes for term in planner.plan_memory("qwen2-7b", n, n, t, "bf16", 3,
+                                                                   remat="block").temporaries}
+    assert terms[held] == 2 * t * v + 2 * n * t * d
+    assert terms["DP: logits gradient + gathered activations not held (normed at the head, summed in the second "
+                 "pass)"] == -terms[held]
+    assert terms["DP: the head's norm for every gathered sequence (fp32) + a relayout of the logits' gradient"] == (
+        4 * n * t * t + 2 * t * v)
+    terms = {term.name: term.bytes for term in planner.plan_memory("qwen2-7b", 16, 16, 1024, "bf16", 3,
+                                                                   remat="block").temporaries}
+    assert terms[held] == 0
+
 def test_cli_sizes_and_json_config(tmp_path, capsys):
     assert planner.main(["--sizes"]) == 0
     out = capsys.readouterr().out
