@@ -68,16 +68,17 @@ trained) the same buffers with the adapters' parameters ``p_a`` in the stacked g
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 112 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a
+``docs/planner.md`` compares the model with 120 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a
 Llama-2-70B shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the
-Mistral / Llama-3 / Qwen2 / Gemma presets on 32-256 chips), 100 of them read to write or refit it: 0.91-1.10 of the
-compiler's peak on 108; 1.105 on an 8-layer Llama-2-7B at vocabulary 152064 on 32 chips at T 1024, DP (its peak at
-the head, where the logits moment counts two copies of the logits), 1.25 on an 8-layer GPT-2 XL's DP step on 32
-chips at T 2048 (its compiler formed the tied table's per-example gradient after the blocks), 1.10 on a 6-layer
-GPT-2 XL's non-private step on 256 chips (its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences
-per chip. A book-kept table summed in pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a
-whole fp32 sum through the blocks. Shapes compiled after their predictions were written were within 10% on 50 of
-72 steps, 5 of 8 in the last round (-43% to +48%): the compiler's choices change with the shape.
+Mistral / Llama-3 / Qwen2 / Gemma presets on 32-256 chips): 0.91-1.10 of the compiler's peak on 114; 0.86 and 0.84 on
+Gemma-2B's DP step on 32 chips and Gemma-7B's on 64 (a tied table's weight path behind a vocabulary-sharded head),
+1.105 on an 8-layer Llama-2-7B at vocabulary 152064 on 32 chips at T 1024, DP (its peak at the head, where the
+logits moment counts two copies of the logits), 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its
+compiler formed the tied table's per-example gradient after the blocks), 1.10 on a 6-layer GPT-2 XL's non-private
+step on 256 chips (its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences per chip. A
+book-kept table summed in pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a whole
+fp32 sum through the blocks. Shapes compiled after their predictions were written were within 10% on 55 of 80
+steps, 5 of 8 in each of the last two rounds (-43% to +48%): the compiler's choices change with the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
@@ -98,7 +99,7 @@ PHASES = ("always", "backward", "carried", "LM head: table", "LM head: logits", 
 HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
 BLOCK_PHASES = ("block: attention", "block: weights")
 WINDOWED_EINSUM_MAX_SHARDS = 32   # up to here the compiler gathers and reduce-scatters in windowed einsums
-LATE_HEAD_GRADIENT_MIN_SHARDS = 17   # from here to the windowed limit a vocabulary-sharded head's gradient waits
+LATE_HEAD_GRADIENT_MIN_SHARDS = 17   # from here a vocabulary-sharded head's gradient waits for the blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,17 +209,17 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
         return Term(name, "held", c * v * d, "c V d (the table whole)")
     if config.tied or config.family == "gpt2" or late_head_gradient(layout, shards):
         return Term(name, "held", c * b * t * v + c * n * b * t * d,
-                    "c b T V + c N b T d (GPT-2 family, tied, or on 17-32 devices)")
+                    "c b T V + c N b T d (GPT-2 family, tied, or on more than 16 devices)")
     return Term(name, "held", 0, "0 (a Llama-family untied head, activations gathered)")
 
 
 def late_head_gradient(layout: HeadLayout, shards: int) -> bool:
     """Whether a vocabulary-sharded head (activations gathered) has the non-private step form its gradient after the
-    blocks' backward, holding the logits' gradient and the gathered activations through it: on 17-32 devices
-    (``LATE_HEAD_GRADIENT_MIN_SHARDS`` to ``WINDOWED_EINSUM_MAX_SHARDS``), read off Llama-family untied heads at
-    vocabularies 32000-152064 -- on 32 chips at T 1024 and 2048, Llama-2-7B's and Qwen2-7B's widths, every step
-    held them (``bf16[32, 2047, 4752]`` and ``bf16[32, 2048, 3584]`` in Qwen2-7B's); on 16 chips none did."""
-    return layout.windowed and not layout.whole and shards >= LATE_HEAD_GRADIENT_MIN_SHARDS
+    blocks' backward, holding the logits' gradient and the gathered activations through it: on more than 16 devices
+    (``LATE_HEAD_GRADIENT_MIN_SHARDS``), read off Llama-family untied heads at vocabularies 32000-152064 -- on 32
+    chips at T 1024 and 2048, Llama-2-7B's and Qwen2-7B's widths, every step held them (``bf16[32, 2047, 4752]`` and
+    ``bf16[32, 2048, 3584]`` in Qwen2-7B's), and Qwen2-7B on 64 (round 12); on 16 chips none did."""
+    return not layout.whole and shards >= LATE_HEAD_GRADIENT_MIN_SHARDS
 
 
 def waiting_logits_gradient(layout: HeadLayout, b: int, t: int, v: int, c: int) -> int:
@@ -336,10 +337,11 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
         terms.append(Term("DP: gathered activations not held (the second pass keeps the logits' gradient only)",
                           "held", -min(held, c * n * b * t * d), "- c N b T d"))
-    elif not config.tied and late_head_gradient(layout, shards):
+    elif not config.tied and layout.windowed and late_head_gradient(layout, shards):
         # the DP step norms the head where its output gradient is formed (a ghost site) and sums it in the second
-        # pass: it holds neither through the blocks; at the head, the norm's fp32 buffer for every gathered sequence
-        # (the T x T Grams: f32[32, 2048, 2048] on 32 chips) and a relayout of the logits' gradient
+        # pass: on 17-32 devices it holds neither through the blocks (on 64 chips Qwen2-7B's held both, as the
+        # non-private step: the next branch adds nothing there); at the head, the norm's fp32 buffer for every
+        # gathered sequence (the T x T Grams: f32[32, 2048, 2048] on 32 chips) and a relayout of the logits' gradient
         norm = 4 * n * b * t * t if shape_rule("fastest", t, t, d, v, reuse=False) else 4 * b * v * d
         terms += [Term("DP: logits gradient + gathered activations not held (normed at the head, summed in the "
                        "second pass)", "held", -held, "- (c b T V + c N b T d)"),

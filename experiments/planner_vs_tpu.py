@@ -42,7 +42,7 @@ _GPT2_KEYS = {"n_layer": "n_layer", "n_embd": "d_model", "n_head": "n_head", "vo
               "n_positions": "n_ctx", "n_inner": "d_ff", "tie_word_embeddings": "tied"}
 _LLAMA_KEYS = {"num_hidden_layers": "n_layer", "hidden_size": "d_model", "num_attention_heads": "n_head",
                "vocab_size": "vocab", "max_position_embeddings": "n_ctx", "intermediate_size": "d_ff",
-               "num_key_value_heads": "n_kv_head", "tie_word_embeddings": "tied"}
+               "num_key_value_heads": "n_kv_head", "tie_word_embeddings": "tied", "head_dim": "head_dim"}
 
 
 def decoder_config(case: tpu_aot.Case) -> planner.DecoderConfig:

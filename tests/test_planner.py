@@ -471,13 +471,13 @@ def test_block_remat_tied_table_norm_behind_a_vocabulary_sharded_head_counted_by
 
 
 
-def test_block_remat_late_head_gradient_on_17_to_32_devices_counted_by_hand():
+def test_block_remat_late_head_gradient_on_more_than_16_devices_counted_by_hand():
     """Qwen2-7B (untied, V 152064, d 3584) on 32 chips at T 2048: more vocabulary than tokens, so the head runs on
     each chip's vocabulary rows with every chip's activations gathered; the non-private step forms the head's
     gradient after the blocks, holding the logits' gradient and the gathered activations through them (``c b T V +
     c N b T d``); the DP step norms the head where its output gradient is formed and holds neither, but at the head
     the ghost norm's fp32 Grams of all 32 gathered sequences and a relayout of the logits' gradient. On 16 chips the
-    non-private step holds nothing there (a Llama family's untied head)."""
+    non-private step holds nothing there (a Llama family's untied head); on 64 both steps hold them."""
     v, d, t, n = 152064, 3584, 2048, 32
     held = "LM head gradient (or what forms it), held to the update"
     terms = {term.name: term.bytes for term in planner.plan_memory("qwen2-7b", n, n, t, "bf16", 3,
@@ -490,6 +490,11 @@ def test_block_remat_late_head_gradient_on_17_to_32_devices_counted_by_hand():
     terms = {term.name: term.bytes for term in planner.plan_memory("qwen2-7b", 16, 16, 1024, "bf16", 3,
                                                                    remat="block").temporaries}
     assert terms[held] == 0
+    # on 64 chips (no windowed einsums) both steps hold them (round 12's compile): the DP step adds nothing
+    terms = {term.name: term.bytes for term in planner.plan_memory("qwen2-7b", 64, 64, t, "bf16", 3,
+                                                                   remat="block").temporaries}
+    assert terms[held] == 2 * t * v + 2 * 64 * t * d
+    assert terms["DP: logits gradient + gathered activations, held for the second pass"] == 0
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):
     assert planner.main(["--sizes"]) == 0
