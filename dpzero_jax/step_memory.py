@@ -325,13 +325,14 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # a vocabulary-sharded head (activations gathered over the N devices): the weight path's norm after the blocks
         # instantiates the table's fp32 per-example gradient (the head's rows for all N b examples, f32[64, 4000,
         # 2048] on Gemma-2B's shape on 64 v5e chips, and the lookup's scattered into a whole f32[256000, 2048]; the
-        # compiler's peak holds 4 b V d of them, its replayed liveness both), beside the activations gathered in fp32
-        # for the weight path's float32 sum (f32[64, 2048, 2048])
+        # compiler's peak holds 4 b V d of them, its replayed liveness both), beside the logits' gradient's T x T
+        # Gram of every gathered sequence in fp32, all-reduced over the vocabulary shards (f32[64, 2048, 2048]; read
+        # as [N b, T, T] on Gemma-7B's sizes, d 3072, where the norm is ghost and the term is not counted: 0.84)
         instantiated = tied_table_instantiated(config, t, c, reuse=False)
         terms.append(Term("DP: tied table's weight path, its norm after the blocks (fp32 per-example gradients, fp32 "
-                          "gathered activations)", "table gradient",
-                          4 * b * v * d + 4 * n * b * t * d if instantiated else 0,
-                          "4 b V d + 4 N b T d (tied, weight path, instantiated for the norm; the head on the "
+                          "Grams)", "table gradient",
+                          4 * b * v * d + 4 * n * b * t * t if instantiated else 0,
+                          "4 b V d + 4 N b T^2 (tied, weight path, instantiated for the norm; the head on the "
                           "device's vocabulary rows)"))
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
