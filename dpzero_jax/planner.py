@@ -21,7 +21,7 @@
   activations, the largest matrix gathered and its gradients) with the scan's saved block inputs, stacked fp32
   gradients and the head's held gradient, or a ``d``-sharded table's whole gradients after the blocks -- with the
   DP step's extra buffers (its float32 sums -- the privatized sum is never rounded to half precision -- and what
-  its second pass keeps). Within 10% of the TPU compiler's peak on 114 of the 120 compiled steps compared; on shapes
+  its second pass keeps). Within 10% of the TPU compiler's peak on 116 of the 120 compiled steps compared; on shapes
   compiled after their predictions 55 of 80, 5 of 8 in each of the last two rounds (``docs/planner.md``).
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,
   Appendix A): ``min(2 T^2, rows * cols)`` fp32 numbers per example -- the two ``T x T`` Grams ``A A^T`` and

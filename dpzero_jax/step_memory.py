@@ -70,15 +70,14 @@ the non-private step's.
 
 ``docs/planner.md`` compares the model with 120 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a
 Llama-2-70B shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the
-Mistral / Llama-3 / Qwen2 / Gemma presets on 32-256 chips): 0.91-1.10 of the compiler's peak on 114; 0.86 and 0.84 on
-Gemma-2B's DP step on 32 chips and Gemma-7B's on 64 (a tied table's weight path behind a vocabulary-sharded head),
-1.105 on an 8-layer Llama-2-7B at vocabulary 152064 on 32 chips at T 1024, DP (its peak at the head, where the
-logits moment counts two copies of the logits), 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its
-compiler formed the tied table's per-example gradient after the blocks), 1.10 on a 6-layer GPT-2 XL's non-private
-step on 256 chips (its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences per chip. A
-book-kept table summed in pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a whole
-fp32 sum through the blocks. Shapes compiled after their predictions were written were within 10% on 55 of 80
-steps, 5 of 8 in each of the last two rounds (-43% to +48%): the compiler's choices change with the shape.
+Mistral / Llama-3 / Qwen2 / Gemma presets on 32-256 chips): 0.91-1.10 of the compiler's peak on 116; 1.105 on an
+8-layer Llama-2-7B at vocabulary 152064 on 32 chips at T 1024, DP (its peak at the head, where the logits moment
+counts two copies of the logits), 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler formed
+the tied table's per-example gradient after the blocks), 1.10 on a 6-layer GPT-2 XL's non-private step on 256 chips
+(its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences per chip. A book-kept table summed in
+pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a whole fp32 sum through the
+blocks. Shapes compiled after their predictions were written were within 10% on 55 of 80 steps, 5 of 8 in each of
+the last two rounds (-43% to +48%): the compiler's choices change with the shape.
 
 Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
 and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
@@ -322,18 +321,21 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
                  "the windowed head's c b T V at b > 1 (tied and book-kept)"),
         ]
     elif config.tied and not booked:
-        # a vocabulary-sharded head (activations gathered over the N devices): the weight path's norm after the blocks
-        # instantiates the table's fp32 per-example gradient (the head's rows for all N b examples, f32[64, 4000,
-        # 2048] on Gemma-2B's shape on 64 v5e chips, and the lookup's scattered into a whole f32[256000, 2048]; the
-        # compiler's peak holds 4 b V d of them, its replayed liveness both), beside the logits' gradient's T x T
-        # Gram of every gathered sequence in fp32, all-reduced over the vocabulary shards (f32[64, 2048, 2048]; read
-        # as [N b, T, T] on Gemma-7B's sizes, d 3072, where the norm is ghost and the term is not counted: 0.84)
+        # a vocabulary-sharded head (activations gathered over the N devices): the weight path's norm after the blocks,
+        # read off three compiled steps of Gemma's sizes (round 11-12; fitted on them, 0.95-1.08): the fp32
+        # per-example gradient where the rule without reuse instantiates it (the head's rows for all N b examples,
+        # f32[64, 4000, 2048] on Gemma-2B's on 64 v5e chips, or the lookup's scattered into a whole f32[256000,
+        # 2048]: 4 b V d at the compiler's peak; its replayed liveness holds both), else, the norm ghost, the logits'
+        # gradient's columns gathered at the ids (bf16[131072, 2047] on Gemma-7B's on 64: c N b T^2); then the
+        # logits' gradient's T x T Grams of every gathered sequence in fp32, all-reduced over the vocabulary shards
+        # (f32[64, 2048, 2048]), and a relayout of the logits' gradient (a second bf16[64, 2047, 4000])
         instantiated = tied_table_instantiated(config, t, c, reuse=False)
-        terms.append(Term("DP: tied table's weight path, its norm after the blocks (fp32 per-example gradients, fp32 "
-                          "Grams)", "table gradient",
-                          4 * b * v * d + 4 * n * b * t * t if instantiated else 0,
-                          "4 b V d + 4 N b T^2 (tied, weight path, instantiated for the norm; the head on the "
-                          "device's vocabulary rows)"))
+        norm = 4 * b * v * d if instantiated else c * n * b * t * t
+        terms.append(Term("DP: tied table's weight path, its norm after the blocks (fp32 per-example gradients or "
+                          "gathered logit columns, fp32 Grams, a relayout of the logits' gradient)", "table gradient",
+                          norm + 4 * n * b * t * t + c * b * t * v,
+                          "4 b V d (instantiated; ghost: c N b T^2) + 4 N b T^2 + c b T V (tied, weight path, the "
+                          "head on the device's vocabulary rows)"))
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
         terms.append(Term("DP: gathered activations not held (the second pass keeps the logits' gradient only)",
