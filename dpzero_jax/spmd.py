@@ -59,6 +59,11 @@ class _Hint:
     axes: tuple[str, ...]
     tables: TableSums | None
 
+    @property
+    def devices(self) -> int:
+        """How many devices the batch axes span."""
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
 
 _BATCH: contextvars.ContextVar[_Hint | None] = contextvars.ContextVar("dpzero_batch_sharded", default=None)
 
@@ -81,15 +86,11 @@ def batch_sharded(mesh: Mesh, axes: tuple[str, ...] = ("data", "fsdp"), tables: 
         _BATCH.reset(token)
 
 
-def _devices(mesh: Mesh, axes: tuple[str, ...]) -> int:
-    return math.prod(mesh.shape[a] for a in axes)
-
-
 def batch_axes(size: int | None = None) -> tuple[str, ...] | None:
     """The batch axes of the enclosing :func:`batch_sharded` (``vmap``'s ``spmd_axis_name`` over ``size``
     examples), or ``None``: outside it, or when they do not divide ``size`` (a micro-batch smaller than the mesh)."""
     current = _BATCH.get()
-    if current is None or (size is not None and size % _devices(current.mesh, current.axes)):
+    if current is None or (size is not None and size % current.devices):
         return None
     return current.axes
 
@@ -98,7 +99,7 @@ def examples_per_device(size: int) -> int:
     """How many of ``size`` examples one device holds under the enclosing :func:`batch_sharded` (``size`` outside
     it, or when its batch axes do not divide ``size``)."""
     current = _BATCH.get()
-    return size // _devices(current.mesh, current.axes) if batch_axes(size) else size
+    return size // current.devices if batch_axes(size) else size
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -109,14 +110,14 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     current = _BATCH.get()
     if current is None or x.ndim == 0:
         return x
-    mesh, axes = current.mesh, current.axes
-    if x.shape[0] % _devices(mesh, axes) == 0:
-        lead = axes
+    if x.shape[0] % current.devices == 0:
+        lead = current.axes
     elif x.shape[0] == 1:
         lead = None
     else:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(lead, *([None] * (x.ndim - 1)))))
+    spec = PartitionSpec(lead, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(current.mesh, spec))
 
 
 class SumLayout:

@@ -294,9 +294,9 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         second_pass = held + (4 - c) * share
         # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
         # the head's output gradient kept, with a relayout of it at b > 1); a table summed in pieces from its uses'
-        # factors holds them only for the norm, at the head, and no whole fp32 sum. A windowed head at b > 1 already
-        # holds the logits' gradient in the non-private step (held_term): not counted twice
-        # a table summed in pieces is normed alone (the rule without reuse), else by book-keeping's rule with reuse
+        # factors holds them only for the norm (decided by the rule without reuse), at the head, and no whole fp32
+        # sum. A windowed head at b > 1 already holds the logits' gradient in the non-private step (held_term): not
+        # counted twice
         pieces = table_sum_in_pieces(config, shards)
         instantiated = booked and tied_table_instantiated(config, t, c, reuse=not pieces)
         in_pieces = instantiated and pieces
