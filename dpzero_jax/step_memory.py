@@ -98,6 +98,7 @@ PHASES = ("always", "backward", "carried", "LM head: table", "LM head: logits", 
 HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
 BLOCK_PHASES = ("block: attention", "block: weights")
 WINDOWED_EINSUM_MAX_SHARDS = 32   # up to here the compiler gathers and reduce-scatters in windowed einsums
+SCATTERED_HEAD_SHARDS = (65, 128)   # a whole vocabulary-sharded head's gradient reduce-scattered as formed (read at 128)
 LATE_HEAD_GRADIENT_MIN_SHARDS = 17   # from here a vocabulary-sharded head's gradient waits for the blocks
 
 
@@ -117,21 +118,30 @@ class HeadLayout:
     """Where the LM head runs (module docstring): ``gathered`` (ZeRO-3 over more than one device: the table is
     gathered or the activations are), ``d_sharded`` (the table split along ``d``), ``whole`` (the head runs on each
     device's tokens with the whole table), ``windowed`` (ZeRO-3 over at most 32 devices: the compiler gathers and
-    reduce-scatters in windowed einsums -- a whole table's head gradient and the blocks' matrices)."""
+    reduce-scatters in windowed einsums -- a whole table's head gradient and the blocks' matrices), ``scattered`` (a
+    whole table's head gradient reduce-scattered as it is formed, never held whole: windowed, or a vocabulary-sharded
+    table on 65-128 devices, :func:`head_layout`)."""
 
     gathered: bool
     d_sharded: bool
     whole: bool
     windowed: bool
+    scattered: bool
 
 
 def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: int, zero: int) -> HeadLayout:
     """The layout of ``config``'s head with ``b`` sequences of ``t`` tokens per device on ``shards x replicas``
-    devices at ZeRO stage ``zero``."""
+    devices at ZeRO stage ``zero``. ``scattered`` beyond the windowed einsum's 32 devices: read off the TPU compiler
+    at 128 devices (round 13: Llama-3-8B's, Qwen2-7B's and Gemma's presets, v5e 8x16 and 16x8 alike), where the
+    whole head's gradient (the DP step's fp32 sum, formed whole first) is reduce-scattered at the head and nothing of
+    it is live in the blocks' backward; at 64 and 256 devices the compiler all-reduces it whole and holds it."""
     gathered = zero == 3 and shards > 1
     d_sharded = table_sharded_along_d(config, shards)
     whole = not gathered or d_sharded or config.vocab <= shards * replicas * b * t
-    return HeadLayout(gathered, d_sharded, whole, gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS)
+    windowed = gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS
+    low, high = SCATTERED_HEAD_SHARDS
+    scattered = gathered and whole and (windowed or (not d_sharded and low <= shards <= high))
+    return HeadLayout(gathered, d_sharded, whole, windowed, scattered)
 
 
 def block_parameters(config: DecoderConfig, lora_rank: int = 0) -> int:
@@ -190,7 +200,8 @@ def head_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, replicas: 
              "c V d (the table gathered; released first with a data axis, R > 1)"),
         Term("logits gradient", "LM head: gradient", c * b * t * v, "c b T V"),
         Term("LM head gradient, formed whole", "LM head: gradient",
-             c * v * d if trained and layout.whole and not layout.windowed else 0, "c V d (the table whole)"),
+             c * v * d if trained and layout.whole and (not layout.scattered or config.tied and not layout.windowed)
+             else 0, "c V d (the table whole; an untied one reduce-scattered as formed: F <= 32, 65-128)"),
     ]
 
 
@@ -201,9 +212,10 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
     name = "LM head gradient (or what forms it), held to the update"
     if not trained:
         return Term(name, "held", 0, "0 (frozen)")
-    if layout.windowed and layout.whole:
+    if layout.scattered:
         return Term(name, "held", c * -(-v * d // shards) + waiting_logits_gradient(layout, b, t, v, c),
-                    "c V d / F (F <= 32: reduce-scattered) [+ c b T V, the logits' gradient, at b > 1]")
+                    "c V d / F (reduce-scattered: F <= 32, or 65-128) [+ c b T V, the logits' gradient, at b > 1 "
+                    "on F <= 32]")
     if layout.whole:
         return Term(name, "held", c * v * d, "c V d (the table whole)")
     if config.tied or config.family == "gpt2" or late_head_gradient(layout, shards):
@@ -290,13 +302,21 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
              (14 - 4 * c) * w if whole_sums else 0, "(14 - 4 c) W (more than 32 devices)"),
     ]
     if layout.whole:
-        share = -(-v * d // shards) if layout.windowed else v * d
-        second_pass = held + (4 - c) * share
+        share = -(-v * d // shards) if layout.scattered else v * d
         # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
         # the head's output gradient kept, with a relayout of it at b > 1); a table summed in pieces from its uses'
         # factors holds them only for the norm (decided by the rule without reuse), at the head, and no whole fp32
         # sum. A windowed head at b > 1 already holds the logits' gradient in the non-private step (held_term): not
         # counted twice
+        # on 65-128 devices (the head's gradient reduce-scattered, not windowed) a tied table summed by its weight
+        # path holds the head's fp32 share whole through the second pass's blocks (f32[256000, 2048] in Gemma-2B's
+        # step on 128 chips) and only the output gradients through the first's
+        mid = layout.scattered and not layout.windowed
+        weight_path_whole = mid and config.tied and not booked
+        fp32_held = 4 * v * d - c * share if weight_path_whole else (4 - c) * share
+        second_pass = held + fp32_held
+        first_pass = (kept_logits_gradient(b, t, v, c) + b * t * d * c if mid
+                      else weight_path_first_pass(config, b, t, c))
         pieces = table_sum_in_pieces(config, shards)
         instantiated = booked and tied_table_instantiated(config, t, c, reuse=not pieces)
         in_pieces = instantiated and pieces
@@ -305,13 +325,19 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         kept_outputs = kept - waiting_logits_gradient(layout, b, t, v, c)
         terms += [
             Term("DP: tied table's weight path, first pass (output gradients, per-example gradients)", "held",
-                 max(0, weight_path_first_pass(config, b, t, c) - second_pass) if config.tied and not booked else 0,
-                 "b T (V + d) c [+ 4 b V d], less the second pass's held sums (tied, weight path)"),
-            Term("DP: LM head's clipped sum, fp32, held", "held", 0 if in_pieces else (4 - c) * share,
-                 "(4 - c) V d (/ F when reduce-scattered; none summed in pieces)"),
+                 max(0, first_pass - second_pass) if config.tied and not booked else 0,
+                 "b T (V + d) c [+ 4 b V d; not on 65-128], less the second pass's held sums (tied, weight path)"),
+            Term("DP: LM head's clipped sum, fp32, held", "held", 0 if in_pieces else fp32_held,
+                 "(4 - c) V d (/ F when reduce-scattered; none summed in pieces; a tied weight path's on 65-128: "
+                 "4 V d - c V d / F)"),
             Term("DP: LM head's clipped sum, fp32, all-reduced whole at the end", "table gradient",
-                 0 if layout.d_sharded or layout.windowed else 4 * v * d,
-                 "4 V d (a vocabulary-sharded table, more than 32 devices)"),
+                 0 if layout.d_sharded or layout.scattered else 4 * v * d,
+                 "4 V d (a vocabulary-sharded table, more than 32 devices; not 65-128)"),
+            # on 65-128 devices the fp32 sum is formed whole at the head beside the logits' gradient, the gathered
+            # table released first (f32[4096, 128256] and bf16[1, 2047, 128256] alone at Llama-3-8B's DP peak)
+            Term("DP: LM head's clipped sum, fp32, formed whole at the head (the table released)", "LM head: gradient",
+                 (4 - (2 if config.tied else 1) * c) * v * d if mid and not booked else 0,
+                 "4 V d - c V d, tied 4 V d - 2 c V d (a vocabulary-sharded table on 65-128 devices; not book-kept)"),
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
                  (4 * b * v * d if in_pieces else 4 * v * d + per_example) if booked else 0,
                  "4 V d [+ 4 b V d instantiated]; 4 b V d summed in pieces (tied and book-kept)"),
