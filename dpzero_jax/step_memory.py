@@ -99,6 +99,7 @@ HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
 BLOCK_PHASES = ("block: attention", "block: weights")
 WINDOWED_EINSUM_MAX_SHARDS = 32   # up to here the compiler gathers and reduce-scatters in windowed einsums
 SCATTERED_HEAD_SHARDS = (65, 128)   # a whole vocabulary-sharded head's gradient reduce-scattered as formed (read at 128)
+SCATTERED_HEAD_MIN_BYTES = 512 * 2**20   # ... when it is larger than this at the compute precision
 LATE_HEAD_GRADIENT_MIN_SHARDS = 17   # from here a vocabulary-sharded head's gradient waits for the blocks
 
 
@@ -129,18 +130,22 @@ class HeadLayout:
     scattered: bool
 
 
-def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: int, zero: int) -> HeadLayout:
+def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: int, zero: int,
+                compute_bytes: int = 2) -> HeadLayout:
     """The layout of ``config``'s head with ``b`` sequences of ``t`` tokens per device on ``shards x replicas``
-    devices at ZeRO stage ``zero``. ``scattered`` beyond the windowed einsum's 32 devices: read off the TPU compiler
+    devices at ZeRO stage ``zero``, ``compute_bytes`` per activation. ``scattered`` beyond the windowed einsum's 32 devices: read off the TPU compiler
     at 128 devices (round 13: Llama-3-8B's, Qwen2-7B's and Gemma's presets, v5e 8x16 and 16x8 alike), where the
     whole head's gradient (the DP step's fp32 sum, formed whole first) is reduce-scattered at the head and nothing of
-    it is live in the blocks' backward; at 64 and 256 devices the compiler all-reduces it whole and holds it."""
+    it is live in the blocks' backward -- for heads of 1000-1750 MiB in bf16; the heads of vocabulary 32000 (250-312
+    MiB: round 14's Llama-2 and Mistral presets) are all-reduced whole and held, as every head is on 64 and 256
+    devices. The bound between, ``SCATTERED_HEAD_MIN_BYTES``, is a guess within that gap."""
     gathered = zero == 3 and shards > 1
     d_sharded = table_sharded_along_d(config, shards)
     whole = not gathered or d_sharded or config.vocab <= shards * replicas * b * t
     windowed = gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS
     low, high = SCATTERED_HEAD_SHARDS
-    scattered = gathered and whole and (windowed or (not d_sharded and low <= shards <= high))
+    large = compute_bytes * config.vocab * config.d_model > SCATTERED_HEAD_MIN_BYTES
+    scattered = gathered and whole and (windowed or (not d_sharded and low <= shards <= high and large))
     return HeadLayout(gathered, d_sharded, whole, windowed, scattered)
 
 
@@ -270,7 +275,7 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     d, v, layers, n = config.d_model, config.vocab, config.n_layer, shards * replicas
     p_g, g = (block_parameters(config, lora_rank), "p_a") if lora_rank else (block_parameters(config), "p_l")
     trained, w = not lora_rank, largest_block_matrix(config)
-    layout = head_layout(config, b, t, shards, replicas, zero)
+    layout = head_layout(config, b, t, shards, replicas, zero, c)
     held = held_term(config, b, t, c, n, shards, layout, trained)
     table_gradient = 2 * c * v * d if layout.gathered and layout.d_sharded and replicas > 1 and trained else 0
     terms = [

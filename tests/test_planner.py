@@ -500,6 +500,46 @@ def test_block_remat_late_head_gradient_on_more_than_16_devices_counted_by_hand(
     assert terms[held] == 2 * t * v + 2 * 64 * t * d
     assert terms["DP: logits gradient + gathered activations, held for the second pass"] == 0
 
+def test_block_remat_head_gradient_reduce_scattered_on_65_to_128_devices_counted_by_hand():
+    """Llama-3-8B (untied, V 128256, d 4096) and Gemma-2B (tied, V 256000, d 2048) on 128 chips at T 2048: the
+    vocabulary fits the chips' tokens, so the whole table is gathered for the head; on 128 devices the compiler
+    reduce-scatters the head's gradient at the head (``c V d / F`` held), where on 64 and 256 it all-reduces it whole
+    and holds it through the blocks (``c V d``). The DP step forms the fp32 sum whole at the head with the gathered
+    table released (Llama: ``4 V d - c V d`` beyond the non-private step's moment, which forms no whole gradient;
+    Gemma, whose tied gradient is formed whole in both: ``4 V d - 2 c V d``), reduce-scattered, never all-reduced
+    whole at the end; Gemma's weight path holds its fp32 share whole through the second pass (``4 V d - c V d /
+    F``) and the logits' gradient and lookup's output gradients through the first (``c T V + c T d``)."""
+    t, n = 2048, 128
+    held = "LM head gradient (or what forms it), held to the update"
+    formed = "LM head gradient, formed whole"
+    at_head = "DP: LM head's clipped sum, fp32, formed whole at the head (the table released)"
+    at_end = "DP: LM head's clipped sum, fp32, all-reduced whole at the end"
+    fp32_held = "DP: LM head's clipped sum, fp32, held"
+    first = "DP: tied table's weight path, first pass (output gradients, per-example gradients)"
+
+    def terms(model, devices):
+        return {term.name: term.bytes for term in planner.plan_memory(model, devices, devices, t, "bf16", 3,
+                                                                      remat="block").temporaries}
+
+    v, d = 128256, 4096
+    llama = terms("llama-3-8b", n)
+    share = -(-v * d // n)
+    assert llama[held] == 2 * share and llama[formed] == 0
+    assert llama[at_head] == 2 * v * d and llama[at_end] == 0 and llama[fp32_held] == 2 * share
+    for devices in (64, 256):   # all-reduced whole and held
+        other = terms("llama-3-8b", devices)
+        assert other[held] == 2 * v * d and other[formed] == 2 * v * d
+        assert other[at_head] == 0 and other[at_end] == 4 * v * d
+    v, d = 256000, 2048
+    gemma = terms("gemma-2b", n)
+    share = -(-v * d // n)
+    assert gemma[held] == 2 * share and gemma[formed] == 2 * v * d
+    assert gemma[at_head] == 0   # 4 V d - 2 c V d at c = 2: the tied gradient's moment already holds 2 c V d
+    assert gemma[fp32_held] == 4 * v * d - 2 * share
+    second_pass = 2 * share + 4 * v * d - 2 * share
+    assert gemma[first] == max(0, 2 * t * v + 2 * t * d - second_pass) == 0
+
+
 def test_cli_sizes_and_json_config(tmp_path, capsys):
     assert planner.main(["--sizes"]) == 0
     out = capsys.readouterr().out
