@@ -538,6 +538,10 @@ def test_block_remat_head_gradient_reduce_scattered_on_65_to_128_devices_counted
     assert gemma[fp32_held] == 4 * v * d - 2 * share
     second_pass = 2 * share + 4 * v * d - 2 * share
     assert gemma[first] == max(0, 2 * t * v + 2 * t * d - second_pass) == 0
+    # a head of 512 MiB or less (Llama-2-7B's, 250 MiB in bf16) is all-reduced whole and held on 128 devices too
+    v, d = 32000, 4096
+    small = terms("llama-2-7b", n)
+    assert small[held] == 2 * v * d and small[at_head] == 0 and small[at_end] == 4 * v * d
 
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):
