@@ -99,7 +99,8 @@ HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
 BLOCK_PHASES = ("block: attention", "block: weights")
 WINDOWED_EINSUM_MAX_SHARDS = 32   # up to here the compiler gathers and reduce-scatters in windowed einsums
 SCATTERED_HEAD_SHARDS = (65, 128)   # a whole vocabulary-sharded head's gradient reduce-scattered as formed (read at 128)
-SCATTERED_HEAD_MIN_BYTES = 512 * 2**20   # ... when it is larger than this at the compute precision
+SCATTERED_HEAD_MIN_BYTES = 630 * 2**20   # ... when the gradient (bf16; the DP step's fp32 sum) is larger than this
+TILE_ROWS = 8   # a TPU tile's rows: a device's vocabulary rows that are no multiple of it are padded when gathered
 LATE_HEAD_GRADIENT_MIN_SHARDS = 17   # from here a vocabulary-sharded head's gradient waits for the blocks
 
 
@@ -120,33 +121,43 @@ class HeadLayout:
     gathered or the activations are), ``d_sharded`` (the table split along ``d``), ``whole`` (the head runs on each
     device's tokens with the whole table), ``windowed`` (ZeRO-3 over at most 32 devices: the compiler gathers and
     reduce-scatters in windowed einsums -- a whole table's head gradient and the blocks' matrices), ``scattered`` (a
-    whole table's head gradient reduce-scattered as it is formed, never held whole: windowed, or a vocabulary-sharded
-    table on 65-128 devices, :func:`head_layout`)."""
+    whole table's head gradient reduce-scattered as it is formed, never held whole: windowed, or a large
+    vocabulary-sharded table on 65-128 devices, :func:`head_layout`), ``sum_scattered`` (the same for the DP step's
+    fp32 sum), ``formed_whole`` (the non-private step forms the head's gradient whole before reducing it)."""
 
     gathered: bool
     d_sharded: bool
     whole: bool
     windowed: bool
     scattered: bool
+    sum_scattered: bool
+    formed_whole: bool
 
 
 def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: int, zero: int,
                 compute_bytes: int = 2) -> HeadLayout:
     """The layout of ``config``'s head with ``b`` sequences of ``t`` tokens per device on ``shards x replicas``
-    devices at ZeRO stage ``zero``, ``compute_bytes`` per activation. ``scattered`` beyond the windowed einsum's 32 devices: read off the TPU compiler
-    at 128 devices (round 13: Llama-3-8B's, Qwen2-7B's and Gemma's presets, v5e 8x16 and 16x8 alike), where the
-    whole head's gradient (the DP step's fp32 sum, formed whole first) is reduce-scattered at the head and nothing of
-    it is live in the blocks' backward -- for heads of 1000-1750 MiB in bf16; the heads of vocabulary 32000 (250-312
-    MiB: round 14's Llama-2 and Mistral presets) are all-reduced whole and held, as every head is on 64 and 256
-    devices. The bound between, ``SCATTERED_HEAD_MIN_BYTES``, is a guess within that gap."""
+    devices at ZeRO stage ``zero``, ``compute_bytes`` per activation. ``scattered`` beyond the windowed einsum's 32
+    devices: read off the TPU compiler at 128 devices (rounds 13-15, v5e 8x16 and 16x8 alike), where a large whole
+    head's gradient is reduce-scattered at the head and nothing of it is live in the blocks' backward, and a small one
+    is all-reduced whole and held, as every head is on 64 and 256 devices: held at 250-384 MiB in bf16 (vocabularies
+    32000-49152) and 500-625 MiB in fp32 (the DP step's sums of the 32000 heads), reduce-scattered from 640 MiB (the
+    fp32 sums of vocabularies 40960-49152) up; ``SCATTERED_HEAD_MIN_BYTES`` lies in that gap, and the same bound for
+    both precisions is a guess. ``formed_whole`` there only where each device's vocabulary rows fill whole tiles
+    (``TILE_ROWS``): else the gathered table is padded and copied, and the gradient is not formed whole (Llama-3-8B's
+    1002 rows, vocabulary 98560's 770, against 98304's 768 and 128000's 1000 and Gemma's 2000, formed whole)."""
     gathered = zero == 3 and shards > 1
     d_sharded = table_sharded_along_d(config, shards)
     whole = not gathered or d_sharded or config.vocab <= shards * replicas * b * t
     windowed = gathered and shards <= WINDOWED_EINSUM_MAX_SHARDS
     low, high = SCATTERED_HEAD_SHARDS
-    large = compute_bytes * config.vocab * config.d_model > SCATTERED_HEAD_MIN_BYTES
-    scattered = gathered and whole and (windowed or (not d_sharded and low <= shards <= high and large))
-    return HeadLayout(gathered, d_sharded, whole, windowed, scattered)
+    mid = gathered and whole and not d_sharded and low <= shards <= high
+    table = config.vocab * config.d_model
+    scattered = gathered and whole and windowed or mid and compute_bytes * table > SCATTERED_HEAD_MIN_BYTES
+    sum_scattered = gathered and whole and windowed or mid and 4 * table > SCATTERED_HEAD_MIN_BYTES
+    aligned = (config.vocab // max(shards, 1)) % TILE_ROWS == 0
+    formed_whole = whole and not windowed and (not scattered or aligned)
+    return HeadLayout(gathered, d_sharded, whole, windowed, scattered, sum_scattered, formed_whole)
 
 
 def block_parameters(config: DecoderConfig, lora_rank: int = 0) -> int:
@@ -205,8 +216,8 @@ def head_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, replicas: 
              "c V d (the table gathered; released first with a data axis, R > 1)"),
         Term("logits gradient", "LM head: gradient", c * b * t * v, "c b T V"),
         Term("LM head gradient, formed whole", "LM head: gradient",
-             c * v * d if trained and layout.whole and (not layout.scattered or config.tied and not layout.windowed)
-             else 0, "c V d (the table whole; an untied one reduce-scattered as formed: F <= 32, 65-128)"),
+             c * v * d if trained and layout.formed_whole else 0,
+             "c V d (the table whole; not where reduce-scattered as formed: F <= 32, or 65-128 with rows padded)"),
     ]
 
 
@@ -307,7 +318,9 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
              (14 - 4 * c) * w if whole_sums else 0, "(14 - 4 c) W (more than 32 devices)"),
     ]
     if layout.whole:
-        share = -(-v * d // shards) if layout.scattered else v * d
+        shard = -(-v * d // shards)
+        share = shard if layout.sum_scattered else v * d      # the DP step's fp32 sum as held
+        held_share = shard if layout.scattered else v * d     # the non-private step's gradient as held
         # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
         # the head's output gradient kept, with a relayout of it at b > 1); a table summed in pieces from its uses'
         # factors holds them only for the norm (decided by the rule without reuse), at the head, and no whole fp32
@@ -316,9 +329,9 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # on 65-128 devices (the head's gradient reduce-scattered, not windowed) a tied table summed by its weight
         # path holds the head's fp32 share whole through the second pass's blocks (f32[256000, 2048] in Gemma-2B's
         # step on 128 chips) and only the output gradients through the first's
-        mid = layout.scattered and not layout.windowed
+        mid = layout.sum_scattered and not layout.windowed
         weight_path_whole = mid and config.tied and not booked
-        fp32_held = 4 * v * d - c * share if weight_path_whole else (4 - c) * share
+        fp32_held = 4 * (v * d if weight_path_whole else share) - c * held_share
         second_pass = held + fp32_held
         first_pass = (kept_logits_gradient(b, t, v, c) + b * t * d * c if mid
                       else weight_path_first_pass(config, b, t, c))
@@ -333,16 +346,17 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
                  max(0, first_pass - second_pass) if config.tied and not booked else 0,
                  "b T (V + d) c [+ 4 b V d; not on 65-128], less the second pass's held sums (tied, weight path)"),
             Term("DP: LM head's clipped sum, fp32, held", "held", 0 if in_pieces else fp32_held,
-                 "(4 - c) V d (/ F when reduce-scattered; none summed in pieces; a tied weight path's on 65-128: "
-                 "4 V d - c V d / F)"),
+                 "4 V d - c V d (each / F where reduce-scattered; none summed in pieces; a tied weight path's fp32 "
+                 "share whole on 65-128)"),
             Term("DP: LM head's clipped sum, fp32, all-reduced whole at the end", "table gradient",
-                 0 if layout.d_sharded or layout.scattered else 4 * v * d,
+                 0 if layout.d_sharded or layout.sum_scattered else 4 * v * d,
                  "4 V d (a vocabulary-sharded table, more than 32 devices; not 65-128)"),
             # on 65-128 devices the fp32 sum is formed whole at the head beside the logits' gradient, the gathered
             # table released first (f32[4096, 128256] and bf16[1, 2047, 128256] alone at Llama-3-8B's DP peak)
             Term("DP: LM head's clipped sum, fp32, formed whole at the head (the table released)", "LM head: gradient",
-                 (4 - (2 if config.tied else 1) * c) * v * d if mid and not booked else 0,
-                 "4 V d - c V d, tied 4 V d - 2 c V d (a vocabulary-sharded table on 65-128 devices; not book-kept)"),
+                 (4 - c) * v * d - (c * v * d if layout.formed_whole else 0) if mid and not booked else 0,
+                 "4 V d - c V d [- c V d formed whole] (a large vocabulary-sharded table on 65-128 devices; not "
+                 "book-kept)"),
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",
                  (4 * b * v * d if in_pieces else 4 * v * d + per_example) if booked else 0,
                  "4 V d [+ 4 b V d instantiated]; 4 b V d summed in pieces (tied and book-kept)"),

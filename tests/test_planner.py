@@ -538,10 +538,24 @@ def test_block_remat_head_gradient_reduce_scattered_on_65_to_128_devices_counted
     assert gemma[fp32_held] == 4 * v * d - 2 * share
     second_pass = 2 * share + 4 * v * d - 2 * share
     assert gemma[first] == max(0, 2 * t * v + 2 * t * d - second_pass) == 0
-    # a head of 512 MiB or less (Llama-2-7B's, 250 MiB in bf16) is all-reduced whole and held on 128 devices too
+    # a head of 630 MiB or less (Llama-2-7B's, 250 MiB in bf16; its fp32 sum 500 MiB) is all-reduced whole and
+    # held on 128 devices too
     v, d = 32000, 4096
     small = terms("llama-2-7b", n)
     assert small[held] == 2 * v * d and small[at_head] == 0 and small[at_end] == 4 * v * d
+    assert small[fp32_held] == (4 - 2) * v * d
+    # vocabulary 49152 (round 15): the bf16 gradient (384 MiB) held whole, the fp32 sum (768 MiB) reduce-scattered:
+    # the DP step holds less than the non-private one through the blocks
+    v = 49152
+    mixed = terms(dataclasses.replace(planner.PRESETS["llama-2-7b"], vocab=v), n)
+    share = -(-v * d // n)
+    assert mixed[held] == 2 * v * d and mixed[fp32_held] == 4 * share - 2 * v * d < 0 and mixed[at_end] == 0
+    # vocabulary 98304: 768 rows a device fill whole 8-row tiles, so the gradient is formed whole before it is
+    # reduce-scattered (1002 rows, Llama-3-8B's above, are padded when gathered: not formed whole); 98560's 770 not
+    for vocab, formed_bytes in ((98304, 2 * 98304 * d), (98560, 0)):
+        aligned = terms(dataclasses.replace(planner.PRESETS["llama-2-7b"], vocab=vocab), n)
+        assert aligned[formed] == formed_bytes
+        assert aligned[at_head] == (4 - 2) * vocab * d - formed_bytes
 
 
 def test_cli_sizes_and_json_config(tmp_path, capsys):
