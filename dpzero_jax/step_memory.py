@@ -28,10 +28,11 @@ per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F``
   ``V / F`` rows for every sequence. *table*: the lookup's gather and the table, ``2 c V d``; *logits*: the table
   (or the activations) and two logits-sized buffers, ``2 c b T V``; *gradient*: the table (released first with a
   data axis), the logits' gradient ``c b T V`` and the head's gradient formed whole, ``c V d`` (not on at most 32
-  devices: reduce-scattered as it is formed).
+  devices: reduce-scattered as it is formed; on 65-128, not where each device's vocabulary rows are padded).
 * **held** through the blocks' backward to the update: the head's gradient, whole (``c V d``) when the table is whole,
-  reduce-scattered by a windowed einsum (``c V d / F``) when the table is split at most 32 ways (the compiler's
-  choice, seen at ``F`` = 16 and 32 and not at 64), there with ``b > 1`` also the logits' gradient (``c b T V``: the
+  reduce-scattered (``c V d / F``) by a windowed einsum when the table is split at most 32 ways (the compiler's
+  choice, seen at ``F`` = 16 and 32 and not at 64) or at the head on 65-128 devices when larger than 630 MiB (the DP
+  step's fp32 sum likewise, by its own bytes), there with ``b > 1`` also the logits' gradient (``c b T V``: the
   einsum runs after the blocks); with the activations gathered, the logits' gradient and the activations, ``c b T V +
   c N b T d`` (a tied table's lookup part, and the GPT-2 family's untied head), a Llama-family untied head nothing.
 * **block** (one block's backward, rebuilt): at its *attention*, the probabilities (GPT-2 at one sequence per device:
@@ -68,21 +69,17 @@ trained) the same buffers with the adapters' parameters ``p_a`` in the stacked g
 gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
 the non-private step's.
 
-``docs/planner.md`` compares the model with 120 compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B and LoRA on a
-Llama-2-70B shape on 128-256 chips, smaller shapes of them on 4-256 chips at one to four sequences per chip, the
-Mistral / Llama-3 / Qwen2 / Gemma presets on 32-256 chips): 0.91-1.10 of the compiler's peak on 116; 1.105 on an
-8-layer Llama-2-7B at vocabulary 152064 on 32 chips at T 1024, DP (its peak at the head, where the logits moment
-counts two copies of the logits), 1.25 on an 8-layer GPT-2 XL's DP step on 32 chips at T 2048 (its compiler formed
-the tied table's per-example gradient after the blocks), 1.10 on a 6-layer GPT-2 XL's non-private step on 256 chips
-(its table whole on every chip), 0.85 on GPT-J's 4 layers at four sequences per chip. A book-kept table summed in
-pieces (:func:`table_sum_in_pieces`) holds neither its per-example gradients nor a whole fp32 sum through the
-blocks. Shapes compiled after their predictions were written were within 10% on 55 of 80 steps, 5 of 8 in each of
-the last two rounds (-43% to +48%): the compiler's choices change with the shape.
+``docs/planner.md`` compares the model with the compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B, LoRA on a
+Llama-2-70B shape, smaller shapes of them and the Mistral / Llama-3 / Qwen2 / Gemma presets on 4-256 chips at one to
+four sequences per chip) and lists the exceptions; shapes compiled after their predictions were written came within
+10% far less often than the steps the formulas were fitted on: the compiler's choices change with the shape and the
+device count. A book-kept table summed in pieces (:func:`table_sum_in_pieces`) holds neither its per-example
+gradients nor a whole fp32 sum through the blocks.
 
-Not modelled: the TPU's tiled layouts (a sharded dimension smaller than a tile is padded), the allocator's packing
-and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments + temporaries exceed the peak by up
-to 2x for these steps: docs/planner.md), ``remat='dots'``, the DP options that change the tied table's buffers
-(``instantiated_dtype``, ``norm_method='mixed'``).
+Not modelled: the TPU's tiled layouts beyond the head's rows (a sharded dimension smaller than a tile is padded),
+the allocator's packing and what the compiler puts in on-chip memory (``memory_analysis()``'s arguments +
+temporaries exceed the peak by up to 2x for these steps: docs/planner.md), ``remat='dots'``, the DP options that
+change the tied table's buffers (``instantiated_dtype``, ``norm_method='mixed'``).
 """
 
 from __future__ import annotations
@@ -90,15 +87,22 @@ from __future__ import annotations
 import dataclasses
 
 from dpzero_jax.decoder_shapes import DecoderConfig, lora_weights, weights
-from dpzero_jax.norm_rules import INSTANTIATION_MEMORY_BOUND, shape_rule
-from dpzero_jax.shard_layout import DEFAULT_SUM_CHUNK_BYTES, piece_bounds, shard_axis
+from dpzero_jax.norm_rules import shape_rule
+from dpzero_jax.shard_layout import shard_axis
+from dpzero_jax.table_memory import (  # noqa: F401  (re-exported: the planner's and tests' names)
+    kept_logits_gradient,
+    table_sum_in_pieces,
+    tied_table_instantiated,
+    tied_table_weighted,
+    weight_path_first_pass,
+)
 
 PHASES = ("always", "backward", "carried", "LM head: table", "LM head: logits", "LM head: gradient", "held",
           "block: attention", "block: weights", "table gradient")
 HEAD_PHASES = ("LM head: table", "LM head: logits", "LM head: gradient")
 BLOCK_PHASES = ("block: attention", "block: weights")
 WINDOWED_EINSUM_MAX_SHARDS = 32   # up to here the compiler gathers and reduce-scatters in windowed einsums
-SCATTERED_HEAD_SHARDS = (65, 128)   # a whole vocabulary-sharded head's gradient reduce-scattered as formed (read at 128)
+SCATTERED_HEAD_SHARDS = (65, 128)   # a large whole vocabulary-sharded head's gradient reduce-scattered (read at 128)
 SCATTERED_HEAD_MIN_BYTES = 630 * 2**20   # ... when the gradient (bf16; the DP step's fp32 sum) is larger than this
 TILE_ROWS = 8   # a TPU tile's rows: a device's vocabulary rows that are no multiple of it are padded when gathered
 LATE_HEAD_GRADIENT_MIN_SHARDS = 17   # from here a vocabulary-sharded head's gradient waits for the blocks
@@ -435,62 +439,6 @@ def dp_float32_sums(config: DecoderConfig, shards: int, c: int, p_g: int, g: str
         Term("DP: LM head's clipped sum, fp32, formed (untied head)", "LM head: logits", 4 * v * d if formed else 0,
              "4 V d"),
     ]
-
-
-def table_sum_in_pieces(config: DecoderConfig, shards: int) -> bool:
-    """Whether the DP step forms the ``[V, d]`` table's clipped sum in pieces from its uses' factors (a book-kept
-    table split over ``shards`` whose float32 sum exceeds ``ShardingRules.sum_chunk_bytes``, the default: the
-    engine's :func:`~dpzero_jax.shard_layout.piece_bounds`), not from kept per-example gradients."""
-    shape = (config.vocab, config.d_model)
-    return piece_bounds(shape, shard_axis(shape, shards), DEFAULT_SUM_CHUNK_BYTES) is not None
-
-
-def tied_table_instantiated(config: DecoderConfig, t: int, c: int, reuse: bool) -> bool:
-    """Whether the time rule (``norm_method`` the TPU's) instantiates a tied ``[V, d]`` table's per-example gradient
-    (``T`` lookups, ``T`` head positions), with ``reuse`` (book-keeping: kept for the clipped sum, and only where its
-    bound in bytes lets it: the fp32 gradient within 2x the operands, the head's ``[T, V]`` and ``[T, d]`` and the
-    lookup's ``[T, d]`` at ``c`` bytes, its ids at 4; ``pergrad.kept_outweighs_operands``) or without (the weight
-    path: for the norm alone)."""
-    v, d = config.vocab, config.d_model
-    if shape_rule("fastest", 2 * t, t, v, d, reuse):
-        return False
-    operand_bytes = c * t * (v + 2 * d) + 4 * t
-    return not (reuse and 4 * v * d > INSTANTIATION_MEMORY_BOUND * operand_bytes
-                and shape_rule("fastest", 2 * t, t, v, d, reuse=False))
-
-
-def tied_table_weighted(config: DecoderConfig, b: int, t: int, c: int) -> bool:
-    """Whether the DP step (ghost, ``norm_method`` the TPU's time rule) sums a tied ``[V, d]`` table by its weight
-    path rather than book-keeping it: :func:`dpzero_jax.program.ghost.weighted`'s memory rule on the table's two
-    uses with ``b`` sequences per device. Book-kept: ``4 V d`` (the fp32 clipped sum) ``+ 4 b V d`` where the rule
-    with reuse instantiates (:func:`tied_table_instantiated`); weighted: the scaled output gradients ``b T (V + d)
-    c`` ``+ 4 b V d`` where the rule without reuse instantiates (the engine's count; what the compiled step holds is
-    :func:`weight_path_first_pass`)."""
-    v, d = config.vocab, config.d_model
-    kept = 4 * v * d + (4 * b * v * d if tied_table_instantiated(config, t, c, reuse=True) else 0)
-    weighted = b * t * (v + d) * c + (4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0)
-    return weighted < kept
-
-
-def kept_logits_gradient(b: int, t: int, v: int, c: int) -> int:
-    """The head's output gradient kept for a tied table's norm or second pullback, ``c b T V``, twice at ``b > 1``:
-    the compiler keeps a relayout of it beside it (two ``bf16[2, 1023, 50257]`` in GPT-2 XL's step at two sequences
-    per chip; at one sequence the relayout is a bitcast)."""
-    return c * b * t * v * (1 if b == 1 else 2)
-
-
-def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int:
-    """Bytes per device a tied table summed by its weight path holds through the first pass's blocks: the sites' output
-    gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c`` (the head's twice at ``b >
-    1``: :func:`kept_logits_gradient`), and, where the rule without reuse instantiates, the head's per-example gradients
-    in fp32 until the lookup's are added to them for the norm, ``4 b V d`` (both read off the TPU-compiled step of a
-    6-layer GPT-2 of width 1536 at ``T`` 2048 on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its
-    first backward scan). The engine forms the norm after the first pullback; the compiler may schedule the head's
-    contraction before the blocks (that step) or after them (GPT-2 XL's width, 8 layers on 32 chips, where only the
-    output gradients are held): counted held, the larger."""
-    v, d = config.vocab, config.d_model
-    per_example = 4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0
-    return kept_logits_gradient(b, t, v, c) + b * t * d * c + per_example
 
 
 def non_private(terms: tuple[Term, ...]) -> tuple[Term, ...]:
