@@ -91,15 +91,19 @@ def _layer_rows(plan, params, cfg: DPConfig) -> list[dict]:
     return rows
 
 
-def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanReport:
+def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None, strategy: str = "gspmd") -> PlanReport:
     """Plan ``loss_fn(params, batch) -> [B]`` as the private gradient would (abstractly: nothing is computed) and
     report, per trainable parameter, how its per-example gradient and norm are obtained. ``rules``: the
-    :class:`~dpzero_jax.sharding.ShardingRules` of a ZeRO-3 run with ``strategy="explicit"``: the program front-end
-    then sums a large table its layout splits in pieces where it forms that sum itself (bk; fused book-keeps the
-    table's lookup to that end; ghost sums its lookups by the weight path), and the plan says which (under ``gspmd``
-    the same tables are summed in pieces, but fused clips an untied lookup at its site); None: unsharded."""
+    :class:`~dpzero_jax.sharding.ShardingRules` of a ZeRO-3 run (None: unsharded), with its ``strategy`` (the
+    trainer's ``TrainConfig.strategy``: ``"gspmd"``, the default, or ``"explicit"``): the program front-end then
+    sums a large table the layout splits in pieces where it forms that sum itself (bk; ghost sums its lookups by the
+    weight path), and the plan says which. Fused mode under ``explicit`` also book-keeps an untied lookup of such a
+    table to that end; under ``gspmd`` it clips that lookup at its site (a tied table, book-kept anyway, is summed in
+    pieces under both)."""
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
+    if strategy not in ("gspmd", "explicit"):
+        raise ValueError(f"strategy must be 'gspmd' or 'explicit' (TrainConfig.strategy), got {strategy!r}")
     layout = None
     if rules is not None:
         from dpzero_jax import sharding
@@ -135,7 +139,8 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None) -> PlanRe
         if mode == "fused":   # a group clipped in its own backward is summed by the weight path: nothing reused
             from dpzero_jax.program import fused as program_fused
 
-            booked = program_fused.local_groups(program_plan, layout)[2]
+            # under GSPMD the engine's fused pass runs without the shard_map layout (program_fused's comment)
+            booked = program_fused.local_groups(program_plan, layout if strategy == "explicit" else None)[2]
             summed_elsewhere = frozenset(i for i, path in enumerate(program_plan.paths)
                                          if program_plan.group_of[path] not in booked)
         rows = explanation.explain(program_plan, params, cfg, summed_elsewhere)

@@ -173,23 +173,36 @@ def test_sum_chunk_bytes_must_be_a_positive_number_of_bytes(value):
         make_rules(sum_chunk_bytes=value)
 
 
+@pytest.mark.parametrize("strategy", ["explicit", "gspmd"])
 @pytest.mark.parametrize("mode, tied", [("fused", False), ("bk", True), ("ghost", True), ("ghost", False)])
-def test_the_plan_names_a_table_summed_in_pieces(mode, tied):
-    """``explain_plan(..., rules=...)`` says which table a ZeRO-3 layout sums in pieces (and why fused book-keeps
-    an untied lookup); without rules, or with pieces larger than the table, it says nothing of the kind; nor in
-    ghost mode, whose weight path sums this table (tied: weighted; untied: a ghost site)."""
+def test_the_plan_names_a_table_summed_in_pieces(mode, tied, strategy):
+    """``explain_plan(..., rules=..., strategy=...)`` says which table a ZeRO-3 layout sums in pieces (and why fused
+    book-keeps an untied lookup under ``explicit``; under ``gspmd`` fused clips it at its site, as
+    ``program_fused`` does); without rules, or with pieces larger than the table, it says nothing of the kind; nor
+    in ghost mode, whose weight path sums this table (tied: weighted; untied: a ghost site)."""
     import dpzero_jax as dz
 
     _, params, batch, loss_fn = setup(False, tied=tied)
     table = params["Embed_0"]["embedding"]
     dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, mode=mode,
                   groups="layer-wise", front_end="program")
+    booked_lookup = mode == "fused" and strategy == "explicit"
     for rules, named in ((make_rules(sum_chunk_bytes=table.size), True), (make_rules(), False), (None, False)):
-        rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dp, params, batch, rules=rules).rows}
+        rows = {r["path"]: r for r in dz.explain_plan(loss_fn, dp, params, batch, rules=rules,
+                                                      strategy=strategy).rows}
         why = rows["Embed_0/embedding"]["why"]
-        assert ("pieces" in why) == (named and mode != "ghost"), why
-        assert ("split by the ZeRO-3 layout" in why) == (named and mode == "fused"), why
+        assert ("pieces" in why) == (named and mode != "ghost" and (mode != "fused" or booked_lookup)), why
+        assert ("split by the ZeRO-3 layout" in why) == (named and booked_lookup), why
         assert not any("pieces" in r["why"] for p, r in rows.items() if p != "Embed_0/embedding")
+
+
+def test_the_plan_names_a_bad_strategy():
+    import dpzero_jax as dz
+
+    _, params, batch, loss_fn = setup(False, tied=False)
+    dp = DPConfig(noise_multiplier=1.0, max_grad_norm=0.05, expected_batch_size=BATCH, front_end="program")
+    with pytest.raises(ValueError, match="strategy must be 'gspmd' or 'explicit'"):
+        dz.explain_plan(loss_fn, dp, params, batch, rules=make_rules(), strategy="shard_map")
 
 
 def test_a_table_summed_in_pieces_holds_less_than_a_whole_one():
