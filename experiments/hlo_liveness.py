@@ -16,7 +16,7 @@ unseen. This replays the whole module from the files ``--xla_dump_to`` writes fo
 
 A buffer is live from its first position to its last position or use in the flattened schedule; the peak is the
 largest sum. On the steps of ``experiments/planner_vs_tpu.py`` it equals the compiler's ``peak_memory_in_bytes``
-within 1% (121 of 132 dumped steps of it and ``tpu_aot.py``; LoRA on the 70B shape 0.96; of the Gemma and Llama-3
+within 1% (125 of 140 dumped steps of it and ``tpu_aot.py``; LoRA on the 70B shape 0.96; of the Gemma and Llama-3
 presets and Llama shapes on 128-256 chips 0.71-1.01: an all-reduce's in-place reuse guessed wrong; Gemma-2B's and
 Gemma-7B's sizes behind a vocabulary-sharded head, DP, 0.93-1.34: it holds fp32 per-example table gradients the
 compiler's peak does not; the explicit strategy's GPT-2 XL variants 1.02-1.04), and it lists what is live there --
