@@ -157,8 +157,10 @@ def head_layout(config: DecoderConfig, b: int, t: int, shards: int, replicas: in
     low, high = SCATTERED_HEAD_SHARDS
     mid = gathered and whole and not d_sharded and low <= shards <= high
     table = config.vocab * config.d_model
-    scattered = gathered and whole and windowed or mid and compute_bytes * table > SCATTERED_HEAD_MIN_BYTES
-    sum_scattered = gathered and whole and windowed or mid and 4 * table > SCATTERED_HEAD_MIN_BYTES
+
+    def reduce_scattered(nbytes: int) -> bool:   # a whole head's gradient (or fp32 sum) of nbytes, not held whole
+        return whole and windowed or mid and nbytes > SCATTERED_HEAD_MIN_BYTES
+    scattered, sum_scattered = reduce_scattered(compute_bytes * table), reduce_scattered(4 * table)
     aligned = (config.vocab // max(shards, 1)) % TILE_ROWS == 0
     formed_whole = whole and not windowed and (not scattered or aligned)
     return HeadLayout(gathered, d_sharded, whole, windowed, scattered, sum_scattered, formed_whole)
@@ -333,12 +335,11 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # on 65-128 devices (the head's gradient reduce-scattered, not windowed) a tied table summed by its weight
         # path holds the head's fp32 share whole through the second pass's blocks (f32[256000, 2048] in Gemma-2B's
         # step on 128 chips) and only the output gradients through the first's
-        mid = layout.sum_scattered and not layout.windowed
-        weight_path_whole = mid and config.tied and not booked
+        at_head = layout.sum_scattered and not layout.windowed   # 65-128 devices: the fp32 sum scattered at the head
+        weight_path_whole = at_head and config.tied and not booked
         fp32_held = 4 * (v * d if weight_path_whole else share) - c * held_share
         second_pass = held + fp32_held
-        first_pass = (kept_logits_gradient(b, t, v, c) + b * t * d * c if mid
-                      else weight_path_first_pass(config, b, t, c))
+        first_pass = weight_path_first_pass(config, b, t, c, per_example_held=not at_head)
         pieces = table_sum_in_pieces(config, shards)
         instantiated = booked and tied_table_instantiated(config, t, c, reuse=not pieces)
         in_pieces = instantiated and pieces
@@ -358,7 +359,7 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
             # on 65-128 devices the fp32 sum is formed whole at the head beside the logits' gradient, the gathered
             # table released first (f32[4096, 128256] and bf16[1, 2047, 128256] alone at Llama-3-8B's DP peak)
             Term("DP: LM head's clipped sum, fp32, formed whole at the head (the table released)", "LM head: gradient",
-                 (4 - c) * v * d - (c * v * d if layout.formed_whole else 0) if mid and not booked else 0,
+                 (4 - c) * v * d - (c * v * d if layout.formed_whole else 0) if at_head and not booked else 0,
                  "4 V d - c V d [- c V d formed whole] (a large vocabulary-sharded table on 65-128 devices; not "
                  "book-kept)"),
             Term("DP: tied table's per-example gradients (book-kept) + clipped sum, fp32", "LM head: logits",

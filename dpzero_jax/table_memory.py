@@ -54,7 +54,7 @@ def kept_logits_gradient(b: int, t: int, v: int, c: int) -> int:
     return c * b * t * v * (1 if b == 1 else 2)
 
 
-def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int:
+def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int, per_example_held: bool = True) -> int:
     """Bytes per device a tied table summed by its weight path holds through the first pass's blocks: the sites' output
     gradients, kept at ``c`` bytes to be scaled in the second pullback, ``b T (V + d) c`` (the head's twice at ``b >
     1``: :func:`kept_logits_gradient`), and, where the rule without reuse instantiates, the head's per-example gradients
@@ -62,7 +62,9 @@ def weight_path_first_pass(config: DecoderConfig, b: int, t: int, c: int) -> int
     6-layer GPT-2 of width 1536 at ``T`` 2048 on 16 chips: ``f32[50257, 1536]`` and ``bf16[1, 2047, 50257]`` live in its
     first backward scan). The engine forms the norm after the first pullback; the compiler may schedule the head's
     contraction before the blocks (that step) or after them (GPT-2 XL's width, 8 layers on 32 chips, where only the
-    output gradients are held): counted held, the larger."""
+    output gradients are held): counted held, the larger. ``per_example_held=False``: the output gradients only (on
+    65-128 devices, where the per-example gradients are formed after the blocks)."""
     v, d = config.vocab, config.d_model
-    per_example = 4 * b * v * d if tied_table_instantiated(config, t, c, reuse=False) else 0
+    instantiated = per_example_held and tied_table_instantiated(config, t, c, reuse=False)
+    per_example = 4 * b * v * d if instantiated else 0
     return kept_logits_gradient(b, t, v, c) + b * t * d * c + per_example
