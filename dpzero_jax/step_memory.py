@@ -43,7 +43,9 @@ per-token activations (:func:`per_token_block_numbers`), ``N`` devices and ``F``
   times (gathered, its gradient and the reduction's buffers), ``4 c W`` -- twice, ``2 c W``, on at most 32 devices,
   where the compiler gathers and reduce-scatters the block's matrices in windowed einsums.
 * **table gradient** (after the blocks): a ``d``-sharded trained table with a data axis (``R > 1``) gets the
-  lookup's scatter-add and the head's gradient as whole tables, ``2 c V d``, beside the held one.
+  lookup's scatter-add and the head's gradient as whole tables, ``2 c V d``, beside the held one; a whole
+  vocabulary-sharded one on more than 32 devices (its head's gradient not reduce-scattered at the head) the lookup's
+  scatter-add, whole, and its all-reduce into a second whole table, ``2 c V d`` (:func:`lookup_gradient_all_reduced`).
 
 The DP step (``private_value_and_grad``, ghost clipping in two passes under remat, ``norm_method`` the TPU's time rule)
 sums in float32 (never rounded before the noise, ``docs/privacy.md``): on more than 32 devices a block's matrices' sums
@@ -51,7 +53,8 @@ are all-reduced whole in fp32 -- the largest's twice at the attention, ``8 W``, 
 size at the weights (GPT-J-6B's three ``[16384, 4096]``, one ``[4096, 12288]`` and one ``[4096, 4096]``; counted ``3.5 x
 4 W = 14 W``), ``(8 - 2 c) W`` and ``(14 - 4 c) W`` more than the non-private step's; on at most 32 they are
 reduce-scattered and add nothing at the peak. The head's held sum is fp32, ``4 V d`` whole (``/ F`` reduce-scattered),
-and on more than 32 devices a vocabulary-sharded table's sum is all-reduced whole at the end beside it (``4 V d``); with
+and on more than 32 devices a vocabulary-sharded table's sum is all-reduced whole at the end beside it (``4 V d``,
+in place of the non-private step's lookup gradient and its all-reduce, ``2 c V d``); with
 the activations gathered, a Llama-family untied head's second pass keeps the logits' gradient and the activations (``c b
 T V + c N b T d``), a GPT-2-family one only the logits' gradient (the non-private step keeps both: ``- c N b T d``), and
 a tied table that book-keeps (:func:`tied_table_weighted`) holds its per-example gradients of all ``R b`` sequences and
@@ -246,6 +249,17 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
     return Term(name, "held", 0, "0 (a Llama-family untied head, activations gathered)")
 
 
+def lookup_gradient_all_reduced(layout: HeadLayout, c: int, v: int, d: int) -> int:
+    """The non-private step's lookup gradient after the blocks: a whole vocabulary-sharded table's scatter-add formed
+    whole on each device and all-reduced into a second whole table, ``2 c V d``, beside the held head gradient -- on
+    more than 32 devices where the head's gradient is not reduce-scattered at the head. Read off the TPU compiler's
+    own live ranges at its peak (``*live-range.txt``): 8-layer Llama-2-7B shapes on 256 chips at vocabulary 128000
+    (``scatter_fusion`` and ``all-reduce.10``, ``bf16[128000, 4096]`` each, beside the held head gradient)."""
+    if layout.gathered and layout.whole and not layout.d_sharded and not layout.scattered:
+        return 2 * c * v * d
+    return 0
+
+
 def late_head_gradient(layout: HeadLayout, shards: int) -> bool:
     """Whether a vocabulary-sharded head (activations gathered) has the non-private step form its gradient after the
     blocks' backward, holding the logits' gradient and the gathered activations through it: on more than 16 devices
@@ -295,6 +309,7 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
     layout = head_layout(config, b, t, shards, replicas, zero, c)
     held = held_term(config, b, t, c, n, shards, layout, trained)
     table_gradient = 2 * c * v * d if layout.gathered and layout.d_sharded and replicas > 1 and trained else 0
+    lookup = lookup_gradient_all_reduced(layout, c, v, d) if trained else 0
     terms = [
         Term("stacked block gradients, fp32, beyond the gradients row", "backward",
              (4 - c) * -(-layers * p_g // shards), f"(4 - c) ceil(L {g} / F)"),
@@ -304,6 +319,8 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
         *block_terms(config, b, t, c, w, layout.windowed),
         Term("lookup + head table gradients, whole, compute precision", "table gradient", table_gradient,
              "2 c V d (d-sharded trained table, R > 1)"),
+        Term("lookup's gradient, whole, and its all-reduce, compute precision", "table gradient", lookup,
+             "2 c V d (a whole vocabulary-sharded table, more than 32 devices; not reduce-scattered at the head)"),
     ]
     if trained:
         terms += dp_block_terms(config, b, t, c, n, shards, replicas, w, layout, held.bytes)
@@ -356,6 +373,9 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
             Term("DP: LM head's clipped sum, fp32, all-reduced whole at the end", "table gradient",
                  0 if layout.d_sharded or layout.sum_scattered else 4 * v * d,
                  "4 V d (a vocabulary-sharded table, more than 32 devices; not 65-128)"),
+            Term("DP: the lookup's compute-precision gradient and its all-reduce, not formed", "table gradient",
+                 -lookup_gradient_all_reduced(layout, c, v, d),
+                 "- 2 c V d (the non-private step's, where counted; the fp32 sums above)"),
             # on 65-128 devices the fp32 sum is formed whole at the head beside the logits' gradient, the gathered
             # table released first (f32[4096, 128256] and bf16[1, 2047, 128256] alone at Llama-3-8B's DP peak)
             Term("DP: LM head's clipped sum, fp32, formed whole at the head (the table released)", "LM head: gradient",

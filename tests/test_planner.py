@@ -578,3 +578,26 @@ def test_cli_sizes_and_json_config(tmp_path, capsys):
 def test_cli_errors(argv, message, capsys):
     assert planner.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_block_remat_lookup_gradient_all_reduced_whole_after_the_blocks_counted_by_hand():
+    """An 8-layer Llama-2-7B shape at vocabulary 128000 on 256 chips, T 2048, one sequence a chip: after the blocks'
+    backward the non-private step holds the head's gradient whole (``c V d``), the lookup's scatter-add formed whole
+    and its all-reduce into a second whole table (``2 c V d``): the step's peak (3.07 GiB compiled; the model
+    without the lookup's two tables read 2.72). The DP step's fp32 sum there replaces them (``4 V d`` at the end);
+    on at most 32 devices (windowed) nothing of it is counted."""
+    v, d, t, n = 128000, 4096, 2048, 256
+    config = dataclasses.replace(planner.PRESETS["llama-2-7b"], vocab=v, n_layer=8)
+    plan = planner.plan_memory(config, n, n, t, "bf16", 3, remat="block")
+    named = {term.name: term for term in plan.temporaries}
+    lookup = "lookup's gradient, whole, and its all-reduce, compute precision"
+    assert named[lookup].bytes == 2 * 2 * v * d and named[lookup].phase == "table gradient"
+    assert named["DP: the lookup's compute-precision gradient and its all-reduce, not formed"].bytes == -2 * 2 * v * d
+    non_private = step_memory.non_private(plan.temporaries)
+    assert step_memory.largest_phase(non_private) == "backward + held + table gradient"
+    totals = step_memory.phase_totals(non_private)
+    assert totals["held"] == 2 * v * d and totals["table gradient"] == 2 * 2 * v * d
+    # on 32 devices (windowed einsums: the head's gradient reduce-scattered as formed) no lookup table is counted
+    small = {term.name: term.bytes for term in planner.plan_memory(config, 32, 64, t, "bf16", 3,
+                                                                   remat="block").temporaries}
+    assert small[lookup] == 0
