@@ -23,9 +23,11 @@ compiler's peak does not; the explicit strategy's GPT-2 XL variants 1.02-1.04), 
 the evidence
 :mod:`dpzero_jax.step_memory`'s formulas were written from::
 
-    python experiments/hlo_liveness.py DUMP_DIR [--top 25] [--within REGEX]
+    python experiments/hlo_liveness.py DUMP_DIR [--top 25] [--within REGEX] [--compiler]
 
-``--within`` reports the largest moment inside computations matching ``REGEX`` (e.g. a scan body) instead.
+``--within`` reports the largest moment inside computations matching ``REGEX`` (e.g. a scan body) instead;
+``--compiler`` the compiler's own list at its peak (:func:`compiler_peak`), each share named by the JAX operation
+that made it.
 """
 
 from __future__ import annotations
@@ -272,14 +274,58 @@ def summary(result: Replay, top: int = 12, time: int | None = None) -> dict:
             "largest": [[b.name, b.shape, b.size, b.computation] for b in live[:top]]}
 
 
+# a first-level share of the peak breakdown: "      ├── jit(step)/.../scatter-add (63.2%, total: 2 097 152 004 bytes"
+_FIRST_LEVEL_SHARE = re.compile(r" {6}[\u251c\u2514]\u2500\u2500 (.+) \([\d.]+%, total: ([\d ]+) bytes")
+
+
+def compiler_peak(directory: str, module: str = "jit_step", top: int = 12) -> dict:
+    """The compiler's own account of its peak, from ``*live-range.txt``'s ``Live ranges at N (peak)`` and ``Stack
+    trace breakdown for peak usage`` sections: ``{bytes, values: [[value, bytes], ...], sources: [[label, bytes],
+    ...]}``, largest first (``top`` of each). The values are the entry computation's (a loop body's own buffers are
+    inside the ``while``'s share of the breakdown); ``sources`` names each first-level share by the JAX operation
+    that made it (``transpose(jvp(jit(_take)))/scatter-add``: a lookup's gradient). Where the peak is in the entry
+    computation this is the list the replay's can be checked against (an all-reduce written in place or not)."""
+    text = _one(directory, f"{module}*live-range.txt") if module else _one(directory, "live-range.txt")
+    values, sources, total, section = [], [], None, None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if re.match(r"Live ranges at \d+ \(peak\):", stripped):
+            section = "values"
+        elif stripped.startswith("Stack trace breakdown for peak usage:"):
+            section, total = "sources", int(re.sub(r"\D", "", stripped.split(":", 1)[1]))
+        elif section == "values":
+            match = re.match(r"(\S+): (\d+) bytes", stripped)
+            if match:
+                values.append([match.group(1), int(match.group(2))])
+            else:
+                section = None
+        elif section == "sources":
+            match = _FIRST_LEVEL_SHARE.match(line)
+            if match:
+                sources.append([match.group(1), int(match.group(2).replace(" ", ""))])
+    if total is None:
+        raise ValueError(f"no peak section in {directory}'s live-range dump")
+    return {"bytes": total, "values": sorted(values, key=lambda v: -v[1])[:top],
+            "sources": sorted(sources, key=lambda v: -v[1])[:top]}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dump", help="the --xla_dump_to directory of one compiled step")
     parser.add_argument("--module", default="jit_step", help="the dumped module's name (default jit_step)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--within", help="the largest moment inside computations matching this regular expression")
+    parser.add_argument("--compiler", action="store_true",
+                        help="the compiler's own peak list (*live-range.txt) instead of the replay")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.compiler:
+        report = compiler_peak(args.dump, args.module, args.top)
+        print(json.dumps(report, indent=1) if args.json else "\n".join(
+            [f"{report['bytes'] / 2**30:.3f} GiB at the compiler's peak"]
+            + [f"  {nbytes / 2**20:9.1f} MiB  {name}" for name, nbytes in report["values"]]
+            + ["by source:"] + [f"  {nbytes / 2**20:9.1f} MiB  {name}" for name, nbytes in report["sources"]]))
+        return report
     result = replay(args.dump, args.module)
     report = summary(result, args.top, result.peak_within(args.within) if args.within else None)
     if args.json:

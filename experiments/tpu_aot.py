@@ -247,10 +247,12 @@ def start_dump() -> str:
 
 
 def take_dump(dump: str) -> dict:
-    """The last compiled step's buffer assignment (:func:`tpu_buffers.read_dump`) and what is live at its replayed
-    peak (:func:`hlo_liveness.summary`, ``liveness``); the dump is emptied for the next."""
+    """The last compiled step's buffer assignment (:func:`tpu_buffers.read_dump`), what is live at its replayed
+    peak (:func:`hlo_liveness.summary`, ``liveness``) and the compiler's own list at its peak
+    (:func:`hlo_liveness.compiler_peak`, ``compiler_peak``); the dump is emptied for the next."""
     buffers = read_dump(dump)
     buffers["liveness"] = hlo_liveness.summary(hlo_liveness.replay(dump))
+    buffers["compiler_peak"] = hlo_liveness.compiler_peak(dump)
     clear_dump(dump)
     return buffers
 

@@ -46,3 +46,16 @@ def test_replay_sees_the_scanned_backward(tmp_path):
     # the backward's stacked gradient of the weights, [4, 256, 256] fp32, is built in the loop and live at the peak
     assert ["f32[4,256,256]", 4 * 4 * 256 * 256] in [row[1:3] for row in report["largest"]]
     assert result.peak_within(r"region") == result.peak_at
+
+
+def test_compiler_peak_lists_the_compilers_own_peak(tmp_path):
+    """The compiler's own list at its peak (``*live-range.txt``): its values add up to the total it states, the
+    weights argument (``f32[4, 256, 256]``, 1 MiB) is among them, and each first-level share is named by the JAX
+    operation that made it (the scanned forward's ``while``)."""
+    weights, x = jnp.ones((4, 256, 256)), jnp.ones((64, 256))
+    jax.jit(step).lower(weights, x).compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    peak = hlo_liveness.compiler_peak(str(tmp_path), module="", top=1000)
+    assert sum(nbytes for _, nbytes in peak["values"]) == peak["bytes"]
+    assert sum(nbytes for _, nbytes in peak["sources"]) == peak["bytes"]
+    assert 4 * 4 * 256 * 256 in [nbytes for _, nbytes in peak["values"]]
+    assert any(name.endswith("/while") for name, _ in peak["sources"])
