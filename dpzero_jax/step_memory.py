@@ -395,16 +395,18 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # read off three compiled steps of Gemma's sizes (round 11-12; fitted on them, 0.95-1.08): the fp32
         # per-example gradient where the rule without reuse instantiates it (the head's rows for all N b examples,
         # f32[64, 4000, 2048] on Gemma-2B's on 64 v5e chips, or the lookup's scattered into a whole f32[256000,
-        # 2048]: 4 b V d at the compiler's peak; its replayed liveness holds both), else, the norm ghost, the logits'
-        # gradient's columns gathered at the ids (bf16[131072, 2047] on Gemma-7B's on 64: c N b T^2); then the
-        # logits' gradient's T x T Grams of every gathered sequence in fp32, all-reduced over the vocabulary shards
-        # (f32[64, 2048, 2048]), and a relayout of the logits' gradient (a second bf16[64, 2047, 4000])
+        # 2048]: 4 b V d at the compiler's peak; its replayed liveness holds both); then the logits' gradient's T x T
+        # Grams of every gathered sequence in fp32, all-reduced over the vocabulary shards (f32[64, 2048, 2048]), and
+        # a relayout of the logits' gradient (a second bf16[64, 2047, 4000]). The norm ghost, the Grams' all-reduce
+        # is written beside its input: two f32[64, 2048, 2048] in the compiler's own list at the peak of Gemma-2-2B's
+        # sizes on 64 chips (round 18, 0.89 before; hlo_liveness.compiler_peak), where the replay had read the
+        # logits' gradient's columns gathered at the ids instead (bf16[131072, 2047], c N b T^2)
         instantiated = tied_table_instantiated(config, t, c, reuse=False)
-        norm = 4 * b * v * d if instantiated else c * n * b * t * t
+        norm = 4 * b * v * d if instantiated else 4 * n * b * t * t
         terms.append(Term("DP: tied table's weight path, its norm after the blocks (fp32 per-example gradients or "
-                          "gathered logit columns, fp32 Grams, a relayout of the logits' gradient)", "table gradient",
+                          "the Grams' all-reduce, fp32 Grams, a relayout of the logits' gradient)", "table gradient",
                           norm + 4 * n * b * t * t + c * b * t * v,
-                          "4 b V d (instantiated; ghost: c N b T^2) + 4 N b T^2 + c b T V (tied, weight path, the "
+                          "4 b V d (instantiated; ghost: 4 N b T^2) + 4 N b T^2 + c b T V (tied, weight path, the "
                           "head on the device's vocabulary rows)"))
     elif not config.tied and config.family == "gpt2":
         # the non-private step keeps the gathered activations for the head's gradient; the DP step does not
