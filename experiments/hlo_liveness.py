@@ -284,7 +284,9 @@ def compiler_peak(directory: str, module: str = "jit_step", top: int = 12) -> di
     ...]}``, largest first (``top`` of each). The values are the entry computation's (a loop body's own buffers are
     inside the ``while``'s share of the breakdown); ``sources`` names each first-level share by the JAX operation
     that made it (``transpose(jvp(jit(_take)))/scatter-add``: a lookup's gradient). Where the peak is in the entry
-    computation this is the list the replay's can be checked against (an all-reduce written in place or not)."""
+    computation this is the list the replay's can be checked against (an all-reduce written in place or not); where
+    ``bytes`` is below the compiled ``peak_memory_in_bytes``, the peak is inside a loop body this list does not open
+    (the replay's :func:`summary` then)."""
     text = _one(directory, f"{module}*live-range.txt") if module else _one(directory, "live-range.txt")
     values, sources, total, section = [], [], None, None
     for line in text.splitlines():
