@@ -250,11 +250,10 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
 
 
 def lookup_gradient_all_reduced(layout: HeadLayout, c: int, v: int, d: int) -> int:
-    """The non-private step's lookup gradient after the blocks: a whole vocabulary-sharded table's scatter-add formed
-    whole on each device and all-reduced into a second whole table, ``2 c V d``, beside the held head gradient -- on
-    more than 32 devices where the head's gradient is not reduce-scattered at the head. Read off the TPU compiler's
-    own live ranges at its peak (``*live-range.txt``): 8-layer Llama-2-7B shapes on 256 chips at vocabulary 128000
-    (``scatter_fusion`` and ``all-reduce.10``, ``bf16[128000, 4096]`` each, beside the held head gradient)."""
+    """The non-private step's lookup gradient after the blocks: a whole vocabulary-sharded table's scatter-add, whole,
+    and its all-reduce into a second whole table, ``2 c V d``, beside the held head gradient, on more than 32 devices
+    where the head's gradient is not reduce-scattered at the head (the compiler's own list at the peak of an 8-layer
+    Llama-2-7B at vocabulary 128000 on 256 chips: ``bf16[128000, 4096]`` three times)."""
     if layout.gathered and layout.whole and not layout.d_sharded and not layout.scattered:
         return 2 * c * v * d
     return 0
@@ -339,6 +338,10 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
              (8 - 2 * c) * w if whole_sums else 0, "(8 - 2 c) W (more than 32 devices)"),
         Term("DP: the block's matrices' sums in fp32, at the weights", "block: weights",
              (14 - 4 * c) * w if whole_sums else 0, "(14 - 4 c) W (more than 32 devices)"),
+        # b > 1 on at most 32 devices: all the block's activations at the attention (GPT-J's bf16[4, 1024, 16384] x 3)
+        Term("DP: the block's other half of activations, at the attention (b > 1, at most 32 devices)",
+             "block: attention", b * t * c * per_token_block_numbers(config) // 2 if layout.windowed and b > 1 else 0,
+             "b T c x / 2 (b > 1, at most 32 devices)"),
     ]
     if layout.whole:
         shard = -(-v * d // shards)
@@ -397,10 +400,9 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         # f32[64, 4000, 2048] on Gemma-2B's on 64 v5e chips, or the lookup's scattered into a whole f32[256000,
         # 2048]: 4 b V d at the compiler's peak; its replayed liveness holds both); then the logits' gradient's T x T
         # Grams of every gathered sequence in fp32, all-reduced over the vocabulary shards (f32[64, 2048, 2048]), and
-        # a relayout of the logits' gradient (a second bf16[64, 2047, 4000]). The norm ghost, the Grams' all-reduce
-        # is written beside its input: two f32[64, 2048, 2048] in the compiler's own list at the peak of Gemma-2-2B's
-        # sizes on 64 chips (round 18, 0.89 before; hlo_liveness.compiler_peak), where the replay had read the
-        # logits' gradient's columns gathered at the ids instead (bf16[131072, 2047], c N b T^2)
+        # a relayout of the logits' gradient (a second bf16[64, 2047, 4000]); the norm ghost, the Grams' all-reduce
+        # beside its input (two f32[64, 2048, 2048] in the compiler's own list at Gemma-2-2B's sizes' peak on 64
+        # chips, round 18; the replay had read the logits' gradient's columns gathered at the ids, c N b T^2)
         instantiated = tied_table_instantiated(config, t, c, reuse=False)
         norm = 4 * b * v * d if instantiated else 4 * n * b * t * t
         terms.append(Term("DP: tied table's weight path, its norm after the blocks (fp32 per-example gradients or "

@@ -602,3 +602,18 @@ def test_block_remat_lookup_gradient_all_reduced_whole_after_the_blocks_counted_
     small = {term.name: term.bytes for term in planner.plan_memory(config, 32, 64, t, "bf16", 3,
                                                                    remat="block").temporaries}
     assert small[lookup] == 0
+
+
+def test_block_remat_dp_block_keeps_all_activations_at_the_attention_at_several_sequences_counted_by_hand():
+    """GPT-J-6B at four sequences a chip on 32 chips, T 1024: the DP step's block holds all its activations at the
+    attention (the MLP's three ``bf16[4, 1024, 16384]`` beside the attention's), the non-private step half
+    (``b T c x / 2`` more); at one sequence a chip, or on 64 devices, no such term."""
+    name = "DP: the block's other half of activations, at the attention (b > 1, at most 32 devices)"
+    x = step_memory.per_token_block_numbers(planner.PRESETS["gpt-j-6b"])
+
+    def term(devices, batch):
+        named = {t.name: t for t in planner.plan_memory("gpt-j-6b", devices, batch, 1024, "bf16", 3,
+                                                        remat="block").temporaries}
+        return named[name]
+    assert term(32, 128).bytes == 4 * 1024 * 2 * x // 2 and term(32, 128).phase == "block: attention"
+    assert term(32, 32).bytes == 0 and term(64, 256).bytes == 0
