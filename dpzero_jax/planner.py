@@ -21,8 +21,9 @@
   activations, the largest matrix gathered and its gradients) with the scan's saved block inputs, stacked fp32
   gradients and the head's held gradient, or a ``d``-sharded table's whole gradients after the blocks -- with the
   DP step's extra buffers (its float32 sums -- the privatized sum is never rounded to half precision -- and what
-  its second pass keeps). Within 10% of the TPU compiler's peak on 190 of the 200 compiled steps compared; on shapes
-  compiled after their predictions 102 of 148, 25 of 28 in the last three rounds (``docs/planner.md``).
+  its second pass keeps). Within 10% of the TPU compiler's peak on 200 of the 214 compiled steps compared; on shapes
+  compiled after their predictions 108 of 162, 25 of 28 in rounds 18-20, 6 of 14 in two LoRA rounds
+  (``docs/planner.md``).
 * **DP extra**: per trainable weight the buffer of its per-example norm under the mixed ghost-norm rule (paper 000,
   Appendix A): ``min(2 T^2, rows * cols)`` fp32 numbers per example -- the two ``T x T`` Grams ``A A^T`` and
   ``G G^T`` of the ghost norm, or the instantiated ``rows x cols`` per-example gradient -- with ``T`` the positions
@@ -339,7 +340,7 @@ def plan_memory(model: str | DecoderConfig | dict, devices: int, batch: int, seq
 ESTIMATE_NOTE = {
     "none": "An estimate: within 10% of the TPU compiler's peak on the 10 compiled steps compared (docs/planner.md); "
             "--compile TARGET prints the compiler's own bytes.",
-    "block": "An estimate: within 10% of the TPU compiler's peak on 102 of 148 steps compiled after their prediction "
+    "block": "An estimate: within 10% of the TPU compiler's peak on 108 of 162 steps compiled after their prediction "
              "(-43% to +55%; docs/planner.md); --compile TARGET prints the compiler's own bytes.",
 }
 

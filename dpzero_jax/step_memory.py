@@ -69,10 +69,8 @@ gradients.
 
 With LoRA (``lora_rank``; the base frozen, the adapters of :func:`~dpzero_jax.decoder_shapes.lora_weights`
 trained) the same buffers with the adapters' parameters ``p_a`` in the stacked gradients; the frozen base is still
-gathered a matrix at a time (``2 c W``, ``4 c W``), and on more than 32 devices the block at its attention holds all its
-activations and two more frozen matrices gathered ahead (``b T c x / 2 + 2 c W``: Llama-2-13B's MLP's four
-``bf16[1, 4096, 13824]``, its attention's ``[5120, 5120]`` three times, T 4096 on 64 v5p chips); no head gradient,
-no table gradient, and no DP buffer beyond the non-private step's.
+gathered a matrix at a time (``2 c W``, ``4 c W``); no head gradient, no table gradient, and no DP buffer beyond
+the non-private step's.
 
 ``docs/planner.md`` compares the model with the compiled steps (GPT-2 XL, GPT-J-6B, Llama-2-7B, LoRA on a
 Llama-2-70B shape, smaller shapes of them and the Mistral / Llama-3 / Qwen2 / Gemma presets on 4-256 chips at one to
@@ -252,8 +250,10 @@ def held_term(config: DecoderConfig, b: int, t: int, c: int, n: int, shards: int
 
 
 def lookup_gradient_all_reduced(layout: HeadLayout, c: int, v: int, d: int) -> int:
-    """The non-private step's lookup gradient after the blocks, ``2 c V d``: its scatter-add and all-reduce, two whole
-    tables (module docstring; ``bf16[128000, 4096]`` twice beside the held one at an 8-layer Llama's peak on 256)."""
+    """The non-private step's lookup gradient after the blocks: a whole vocabulary-sharded table's scatter-add, whole,
+    and its all-reduce into a second whole table, ``2 c V d``, beside the held head gradient, on more than 32 devices
+    where the head's gradient is not reduce-scattered at the head (the compiler's own list at the peak of an 8-layer
+    Llama-2-7B at vocabulary 128000 on 256 chips: ``bf16[128000, 4096]`` three times)."""
     if layout.gathered and layout.whole and not layout.d_sharded and not layout.scattered:
         return 2 * c * v * d
     return 0
@@ -318,9 +318,6 @@ def block_remat_terms(config: DecoderConfig, batch_per_device: int, seq: int, sh
         *block_terms(config, b, t, c, w, layout.windowed),
         Term("lookup + head table gradients, whole, compute precision", "table gradient", table_gradient,
              "2 c V d (d-sharded trained table, R > 1)"),
-        Term("LoRA: the block's other half of activations and two frozen matrices gathered ahead, at the attention",
-             "block: attention", b * t * c * per_token_block_numbers(config) // 2 + 2 * c * w
-             if lora_rank and not layout.windowed else 0, "b T c x / 2 + 2 c W (LoRA, more than 32 devices)"),
         Term("lookup's gradient, whole, and its all-reduce, compute precision", "table gradient", lookup,
              "2 c V d (a whole vocabulary-sharded table, more than 32 devices; not reduce-scattered at the head)"),
     ]
@@ -350,10 +347,14 @@ def dp_block_terms(config: DecoderConfig, b: int, t: int, c: int, n: int, shards
         shard = -(-v * d // shards)
         share = shard if layout.sum_scattered else v * d      # the DP step's fp32 sum as held
         held_share = shard if layout.scattered else v * d     # the non-private step's gradient as held
-        # book-kept: the per-example gradients where the rule with reuse instantiates them (else ghost: the head's
-        # output gradient kept, relaid at b > 1); summed in pieces, them only for the norm, at the head, and no whole
-        # fp32 sum; a windowed head at b > 1 holds the logits' gradient already (held_term). On 65-128 devices a
-        # tied weight path holds the head's fp32 share whole through the second pass (Gemma-2B's f32[256000, 2048])
+        # book-kept: the per-example gradients where the rule with reuse instantiates them (else the norm is ghost:
+        # the head's output gradient kept, with a relayout of it at b > 1); a table summed in pieces from its uses'
+        # factors holds them only for the norm (decided by the rule without reuse), at the head, and no whole fp32
+        # sum. A windowed head at b > 1 already holds the logits' gradient in the non-private step (held_term): not
+        # counted twice
+        # on 65-128 devices (the head's gradient reduce-scattered, not windowed) a tied table summed by its weight
+        # path holds the head's fp32 share whole through the second pass's blocks (f32[256000, 2048] in Gemma-2B's
+        # step on 128 chips) and only the output gradients through the first's
         at_head = layout.sum_scattered and not layout.windowed   # 65-128 devices: the fp32 sum scattered at the head
         weight_path_whole = at_head and config.tied and not booked
         fp32_held = 4 * (v * d if weight_path_whole else share) - c * held_share

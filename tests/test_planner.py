@@ -618,18 +618,3 @@ def test_block_remat_dp_block_keeps_all_activations_at_the_attention_at_several_
     assert term(32, 128).bytes == 4 * 1024 * 2 * x // 2 and term(32, 128).phase == "block: attention"
     assert term(32, 32).bytes == 0 and term(64, 256).bytes == 0
 
-
-def test_block_remat_lora_block_keeps_all_activations_and_two_more_matrices_counted_by_hand():
-    """LoRA on Llama-2-13B's sizes (the base frozen) on 64 chips at T 4096: the block at its attention holds all its
-    activations and two more frozen matrices gathered ahead (``b T c x / 2 + 2 c W`` beyond the full fine-tuning's
-    count); on 32 devices (windowed einsums), and without LoRA, no such term."""
-    name = "LoRA: the block's other half of activations and two frozen matrices gathered ahead, at the attention"
-    config = planner.PRESETS["llama-2-13b"]
-    x, w = step_memory.per_token_block_numbers(config), step_memory.largest_block_matrix(config)
-
-    def term(devices, peft):
-        named = {t.name: t.bytes for t in planner.plan_memory(config, devices, devices, 4096, "bf16", 3,
-                                                              remat="block", peft=peft).temporaries}
-        return named[name]
-    assert term(64, "lora") == 4096 * 2 * x // 2 + 2 * 2 * w
-    assert term(32, "lora") == 0 and term(64, None) == 0
