@@ -22,6 +22,7 @@ import numpy as np
 
 from dpzero_jax import engine, norm_rules, pergrad
 from dpzero_jax.config import DPConfig
+from dpzero_jax.mesh_options import STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ def explain_plan(loss_fn, cfg: DPConfig, params, batch, *, rules=None, strategy:
     pieces under both)."""
     if not isinstance(cfg, DPConfig):
         raise TypeError(f"cfg must be a dpzero_jax.DPConfig, got {type(cfg).__name__}")
-    if strategy not in ("gspmd", "explicit"):
+    if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be 'gspmd' or 'explicit' (TrainConfig.strategy), got {strategy!r}")
     layout = None
     if rules is not None:

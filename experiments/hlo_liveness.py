@@ -287,7 +287,7 @@ def compiler_peak(directory: str, module: str = "jit_step", top: int = 12) -> di
     computation this is the list the replay's can be checked against (an all-reduce written in place or not); where
     ``bytes`` is below the compiled ``peak_memory_in_bytes``, the peak is inside a loop body this list does not open
     (the replay's :func:`summary` then)."""
-    text = _one(directory, f"{module}*live-range.txt") if module else _one(directory, "live-range.txt")
+    text = _one(directory, f"{module}.*live-range.txt")
     values, sources, total, section = [], [], None, None
     for line in text.splitlines():
         stripped = line.strip()
