@@ -163,12 +163,16 @@ def training_step(graphdef, params, trainable, rules, dp_config, strategy: str =
         _, fn = lm_objective(nnx.merge(graphdef, params, frozen), trainable=trainable)
         return fn
 
+    def loss_of_frozen(q, batch, frozen):   # the explicit strategy's: the frozen weights enter its shard_map sharded
+        return objective(frozen)(q, batch)
+
     if strategy == "explicit":
         def gradient(p, batch, key, mask, frozen):
-            loss = objective(frozen)
             if dp_config is None:
-                return sharding.explicit_mean_gradient(loss, rules, params)(p, batch, key, mask)
-            return sharding.explicit_private_gradient(loss, dp_config, rules, params)(p, batch, key, mask)
+                return sharding.explicit_mean_gradient(loss_of_frozen, rules, params)(p, batch, key, mask,
+                                                                                      frozen=frozen)
+            return sharding.explicit_private_gradient(loss_of_frozen, dp_config, rules, params)(
+                p, batch, key, mask, frozen=frozen)
     elif dp_config is None:
         def gradient(p, batch, key, mask, frozen):
             def mean_loss(q):

@@ -53,7 +53,9 @@ ZeRO stages (paper 000 §2.2; Rajbhandari et al.)
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -64,6 +66,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from dpzero_jax import noise, spmd
 from dpzero_jax import tape as tape_lib
 from dpzero_jax.engine import clipped_grad_sum, leaf_paths, make_plan
+from dpzero_jax.frozen_shards import FrozenShards, bind_frozen_shards
 from dpzero_jax.layer_plan import used_outside_layers, whole_shapes
 from dpzero_jax.mesh_options import (  # noqa: F401  (the mesh's options, re-exported)
     AXES,
@@ -270,6 +273,21 @@ class ShardLayout:
                 for path, struct in self._full.items()}
         self._dims = {path: dim for path, dim in dims.items() if dim is not None}
         self.sum_chunk_bytes = rules.sum_chunk_bytes
+        self._constants: dict = {}   # id(whole stand-in) -> (stand-in, shard, dim): with_constants
+
+    def with_constants(self, entries) -> ShardLayout:
+        """A copy that also knows the whole stand-ins of ``entries`` ``[(stand-in, shard, dim)]``
+        (:meth:`constant`)."""
+        layout = copy.copy(self)
+        layout._constants = {**self._constants, **{id(entry[0]): tuple(entry) for entry in entries}}
+        return layout
+
+    def constant(self, value):
+        """``(shard, dim)`` when ``value`` is the whole stand-in of a frozen variable's shard
+        (:class:`dpzero_jax.frozen_shards.FrozenShards`), which the traced program's interpreter then holds as the
+        shard and gathers at its uses; else None."""
+        entry = self._constants.get(id(value))
+        return None if entry is None or entry[0] is not value else entry[1:]
 
     def gathers(self, path: str) -> bool:
         return path in self._dims
@@ -320,7 +338,9 @@ def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_laye
       both axes (all-reduce).
 
     The summed gradient comes out in the stage's gradient layout (:meth:`ShardingRules.grads`); losses keep the
-    batch layout. Call it inside ``jax.jit``.
+    batch layout. Call it inside ``jax.jit``. ``fn(..., frozen=tree)``: the frozen variables (whole shapes, laid out
+    by :meth:`ShardingRules.params`) enter the ``shard_map`` as shards and reach ``local_sum`` as
+    ``frozen=FrozenShards`` (without it, ``local_sum`` is called without that keyword).
     """
     mesh = rules.mesh
     param_specs, grad_specs = _specs(rules.params(params)), _specs(rules.grads(params))
@@ -339,20 +359,29 @@ def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_laye
             return jax.lax.psum(grad, "data")
         return jax.lax.psum(_reduce_scatter(grad, dim), "data")
 
-    def local(params, batch, mask, *replicated):
-        losses, grad_sum, *per_example = local_sum(jax.tree.map(gather, params, param_specs), batch, mask,
-                                                   *replicated)
-        return (losses, jax.tree.map(reduce, grad_sum, grad_specs), *per_example)
-
-    def gradient(params, batch, mask, *replicated):
+    def gradient(params, batch, mask, *replicated, frozen=None):
         batch_specs = jax.tree.map(lambda _: batch_spec, batch)
+        frozen_specs = {} if frozen is None else _specs(rules.params(frozen))
+        dims = [_fsdp_dim(spec) for spec in jax.tree.leaves(frozen_specs, is_leaf=_is_spec)]
+
+        def local(params, batch, mask, frozen_shards, *replicated):
+            extra = {} if frozen is None else {"frozen": FrozenShards(frozen_shards, dims)}
+            losses, grad_sum, *per_example = local_sum(jax.tree.map(gather, params, param_specs), batch, mask,
+                                                       *replicated, **extra)
+            return (losses, jax.tree.map(reduce, grad_sum, grad_specs), *per_example)
+
         sharded = jax.shard_map(local, mesh=mesh,
-                                in_specs=(param_specs, batch_specs, batch_spec, *[PartitionSpec()] * len(replicated)),
+                                in_specs=(param_specs, batch_specs, batch_spec, frozen_specs,
+                                          *[PartitionSpec()] * len(replicated)),
                                 out_specs=(batch_spec, grad_specs, *[batch_spec] * per_example_outputs),
                                 check_vma=False)
-        return sharded(params, batch, jnp.asarray(mask), *replicated)
+        return sharded(params, batch, jnp.asarray(mask), {} if frozen is None else frozen, *replicated)
 
     return gradient
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params, *, gather_by_layer: bool = True,
@@ -367,31 +396,39 @@ def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params, *, gat
     with ``gather_by_layer=False``, which gather every weight first), :func:`explicit_gradient` brings the sums to
     their owners, and :func:`dpzero_jax.noise.add_noise_and_normalise` with the partitionable generator noises each
     owner's shard -- the same call as the one-device path, so the update is the same on any device count. ``cfg``
-    is a :class:`~dpzero_jax.config.DPConfig` with ``expected_batch_size`` set.
+    is a :class:`~dpzero_jax.config.DPConfig` with ``expected_batch_size`` set. ``fn(..., frozen=tree)``: the
+    frozen variables as the step's (sharded) arguments, for a ``loss_fn(params, batch, frozen=...)``; each device
+    receives its shards (:class:`dpzero_jax.frozen_shards.FrozenShards`).
     """
     by_layer = gather_by_layer and rules.zero == 3 and cfg.mode != "vmap"
     layout = ShardLayout(rules, params) if by_layer else None
-    clipped = clipped_grad_sum(loss_fn, cfg, layout=layout)
+
+    def clipped(p, b, m, thresholds=None, frozen=None):
+        loss, held = bind_frozen_shards(loss_fn, layout, frozen)
+        return clipped_grad_sum(loss, cfg, layout=held)(p, b, m, thresholds=thresholds)
+
     if adaptive:
-        def local_adaptive(p, b, m, thresholds):
-            losses, sums, stats = clipped(p, b, m, thresholds=thresholds)
+        def local_adaptive(p, b, m, thresholds, frozen=None):
+            losses, sums, stats = clipped(p, b, m, thresholds, frozen)
             return losses, sums, stats.norms
 
         summed_adaptive = explicit_gradient(local_adaptive, rules, params, gather_by_layer=by_layer,
                                             per_example_outputs=1)
 
-        def adaptive_gradient(params, batch, key, mask, thresholds):
-            losses, sums, norms = summed_adaptive(params, batch, mask, thresholds)
+        def adaptive_gradient(params, batch, key, mask, thresholds, frozen=None):
+            losses, sums, norms = summed_adaptive(params, batch, mask, thresholds, frozen=frozen)
             std = noise.noise_std(cfg.noise_multiplier, thresholds)
             return losses, noise.add_noise_and_normalise(sums, key, std, cfg.expected_batch_size,
                                                          "partitionable"), norms
 
         return adaptive_gradient
-    summed = explicit_gradient(lambda p, b, m: clipped(p, b, m)[:2], rules, params, gather_by_layer=by_layer)
+    summed = explicit_gradient(lambda p, b, m, frozen=None: clipped(p, b, m, frozen=frozen)[:2], rules, params,
+                               gather_by_layer=by_layer)
 
-    def gradient(params, batch, key, mask):
-        losses, sums = summed(params, batch, mask)
-        thresholds = make_plan(loss_fn, cfg, params, batch, require_supported=False).thresholds  # static
+    def gradient(params, batch, key, mask, frozen=None):
+        losses, sums = summed(params, batch, mask, frozen=frozen)
+        loss = loss_fn if frozen is None else functools.partial(loss_fn, frozen=frozen)
+        thresholds = make_plan(loss, cfg, params, batch, require_supported=False).thresholds  # static
         std = noise.noise_std(cfg.noise_multiplier, thresholds)
         return losses, noise.add_noise_and_normalise(sums, key, std, cfg.expected_batch_size, "partitionable")
 
@@ -410,24 +447,25 @@ def explicit_mean_gradient(loss_fn, rules: ShardingRules, params, *, gather_by_l
     """The non-private counterpart of :func:`explicit_private_gradient` (same collectives): the gradient of the
     masked mean loss, ``fn(params, batch, key, mask) -> (losses [B], grads)`` (``key`` unused). At stage 3 each
     layer gathers its weights just before use (:class:`dpzero_jax.tape.GatherTape`) and autodiff reduce-scatters
-    their gradients."""
+    their gradients. ``frozen=``: as for :func:`explicit_private_gradient`."""
     layout = ShardLayout(rules, params) if gather_by_layer and rules.zero == 3 else None
 
-    def local_sum(params, batch, mask):
-        if layout is not None and _uses_outside_layers(loss_fn, params, batch, layout):
-            return program_gathered.mean_gradient_sum(loss_fn, params, batch, mask, layout)
+    def local_sum(params, batch, mask, frozen=None):
+        loss, held = bind_frozen_shards(loss_fn, layout, frozen)
+        if held is not None and _uses_outside_layers(loss, params, batch, held):
+            return program_gathered.mean_gradient_sum(loss, params, batch, mask, held)
 
         def total(p):
-            with _gathering(layout, p):
-                losses = loss_fn(p, batch)
+            with _gathering(held, p):
+                losses = loss(p, batch)
             return jnp.sum(losses * mask.astype(losses.dtype)), losses
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(params)
         return losses, grads
 
     summed = explicit_gradient(local_sum, rules, params, gather_by_layer=layout is not None)
 
-    def gradient(params, batch, key, mask):
-        losses, sums = summed(params, batch, mask)
+    def gradient(params, batch, key, mask, frozen=None):
+        losses, sums = summed(params, batch, mask, frozen=frozen)
         count = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
         return losses, jax.tree.map(lambda g: (g.astype(jnp.float32) / count).astype(g.dtype), sums)
 
@@ -443,20 +481,27 @@ def _uses_outside_layers(fn, shards, inputs, layout) -> bool:
 def explicit_apply(apply_fn, rules: ShardingRules, params):
     """``apply_fn(params, inputs) -> outputs [B, ...]`` (a forward pass) on the stage's parameter layout, batch split
     over the mesh: at stage 3 each weight is gathered just before use, as in the training step, instead of every
-    weight at once (by its ``dpzero_jax`` layer, or at each use of the traced program for other models)."""
+    weight at once (by its ``dpzero_jax`` layer, or at each use of the traced program for other models).
+    ``apply(params, inputs, frozen=tree)`` for an ``apply_fn(params, inputs, frozen=...)``: the frozen variables
+    enter as shards and are gathered likewise (:class:`dpzero_jax.frozen_shards.FrozenShards`)."""
     layout = ShardLayout(rules, params) if rules.zero == 3 else None
     param_specs = _specs(rules.params(params))
     batch_spec = PartitionSpec(BATCH_AXES)
 
-    def local(params, inputs):
-        if layout is not None and _uses_outside_layers(apply_fn, params, inputs, layout):
-            return program_gathered.gathered_apply(apply_fn, params, inputs, layout)
-        with _gathering(layout, params):
-            return apply_fn(params, inputs)
-
-    def apply(params, inputs):
+    def apply(params, inputs, frozen=None):
         input_specs = jax.tree.map(lambda _: batch_spec, inputs)
-        return jax.shard_map(local, mesh=rules.mesh, in_specs=(param_specs, input_specs), out_specs=batch_spec,
-                             check_vma=False)(params, inputs)
+        frozen_specs = {} if frozen is None else _specs(rules.params(frozen))
+        dims = [_fsdp_dim(spec) for spec in jax.tree.leaves(frozen_specs, is_leaf=_is_spec)]
+
+        def local(params, inputs, frozen_shards):
+            fn, held = bind_frozen_shards(apply_fn, layout, None if frozen is None else FrozenShards(frozen_shards,
+                                                                                                     dims))
+            if held is not None and _uses_outside_layers(fn, params, inputs, held):
+                return program_gathered.gathered_apply(fn, params, inputs, held)
+            with _gathering(held, params):
+                return fn(params, inputs)
+
+        return jax.shard_map(local, mesh=rules.mesh, in_specs=(param_specs, input_specs, frozen_specs),
+                             out_specs=batch_spec, check_vma=False)(params, inputs, {} if frozen is None else frozen)
 
     return apply

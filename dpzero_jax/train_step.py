@@ -71,11 +71,12 @@ def frozen_arguments(cfg: TrainConfig, model, trainable, rules: sharding.Shardin
     """``(by_argument, frozen, frozen_shardings)``: the model's frozen variables as the jitted functions take them.
 
     The frozen variables (a PEFT base model) enter the jitted functions as (sharded) arguments, not as constants
-    folded into the program; a Llama in half precision holds its frozen matrices in it (:func:`matrices_in`).
-    RMM's keyed loss (whose frozen state holds the step's sketch keys) and the explicit strategy's shard_map keep
-    them captured: then ``by_argument`` is False and ``frozen`` is ``{}``. ``frozen_shardings``: None without a
-    mesh (``rules``)."""
-    by_argument = cfg.rmm == "none" and not (rules is not None and cfg.strategy == "explicit")
+    folded into the program; a Llama in half precision holds its frozen matrices in it (:func:`matrices_in`). Under
+    the explicit strategy they enter its ``shard_map`` as shards too, each gathered where the traced program uses
+    it (:class:`dpzero_jax.frozen_shards.FrozenShards`). RMM's keyed loss (whose frozen state holds the step's sketch
+    keys) keeps them captured: then ``by_argument`` is False and ``frozen`` is ``{}``. ``frozen_shardings``: None
+    without a mesh (``rules``)."""
+    by_argument = cfg.rmm == "none"
     frozen = models.frozen_state(model, trainable) if by_argument else {}
     if cfg.precision != "fp32" and isinstance(model, models.Llama):
         frozen = matrices_in(frozen, PRECISIONS[cfg.precision])
@@ -149,8 +150,8 @@ def build_step(cfg: TrainConfig, tx: optax.GradientTransformation, *, loss_fn, a
         explicit = explicit_gradient(loss_fn, None if cfg.no_dp else dp_cfg, rules, init_params,
                                      adaptive=adaptive is not None)
 
-        def gradient(params, batch, key, mask, frozen, *clip):   # the shard_map captures the frozen variables
-            return explicit(params, batch, key, mask, *clip)
+        def gradient(params, batch, key, mask, frozen, *clip):   # frozen: sharded arguments of the shard_map
+            return explicit(params, batch, key, mask, *clip, **({"frozen": frozen} if frozen_by_argument else {}))
 
     compute_dtype = PRECISIONS[cfg.precision]
     lm = cfg.task == "causal-lm"
@@ -161,7 +162,10 @@ def build_step(cfg: TrainConfig, tx: optax.GradientTransformation, *, loss_fn, a
     grad_shardings = None if rules is None else rules.grads(init_params)
     step_apply = bind(apply_fn)  # the training batch's accuracy after the update
     if rules is not None and cfg.strategy == "explicit":  # gathers layer by layer, as the gradient does
-        step_apply = bind(sharding.explicit_apply(apply_fn, rules, init_params))
+        explicit_apply = sharding.explicit_apply(apply_fn, rules, init_params)
+
+        def step_apply(params, x, frozen):
+            return explicit_apply(params, x, **({"frozen": frozen} if frozen_by_argument else {}))
 
     # GSPMD: the scanned models' activations split over the batch, each weight gathered where used, large tables'
     # clipped sums in pieces (spmd.py)

@@ -338,11 +338,13 @@ def _constants_of_shape(stablehlo: str, shape) -> list[str]:
     return [line for line in stablehlo.splitlines() if "stablehlo.constant" in line and wanted in line]
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_frozen_weights_enter_the_step_as_arguments_not_constants(tmp_path, devices):
-    """PEFT's frozen base weights are arguments of the jitted step (sharded like parameters under a mesh), never
-    constants folded into the program: a large frozen model would otherwise be baked into every compiled step."""
-    cfg = TrainConfig(out=str(tmp_path), peft="linear-probe", devices=devices, **{**TINY, "checkpoint_every": 0})
+@pytest.mark.parametrize("devices, strategy", [(1, "gspmd"), (2, "gspmd"), (2, "explicit")])
+def test_frozen_weights_enter_the_step_as_arguments_not_constants(tmp_path, devices, strategy):
+    """PEFT's frozen base weights are arguments of the jitted step (sharded like parameters under a mesh; under
+    the explicit strategy, arguments of its shard_map too), never constants folded into the program: a large frozen
+    model would otherwise be baked into every compiled step."""
+    cfg = TrainConfig(out=str(tmp_path), peft="linear-probe", devices=devices, strategy=strategy,
+                      **{**TINY, "checkpoint_every": 0})
     trainer = Trainer(cfg)
     frozen_kernel = trainer._frozen["layers"][0]["kernel"][...]
     text = trainer.lower_step().as_text()

@@ -298,6 +298,7 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
     handler = _fused_handler(plan, heads, booked_sites, shared_records, cfg.norm_method, cfg.clip_fn, cfg.gamma)
 
     held = zero3.held(plan.paths, leaves, layout)
+    consts = zero3.held_consts(plan.closed.consts, layout)   # frozen variables' shards, as the leaves'
 
     def forward(trained, copies, sinks, probes):
         values = list(held)
@@ -318,7 +319,7 @@ def program_fused(cfg, plan, params, batch, mask, layout=None):
                                 [local[analysis.sites[m].view.leaf] for m in members])
             inputs.update(probes_i)   # book-kept sites: book-keeping's zero probes
             records: dict = {}
-            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, local + list(example), analysis, inputs, records,
+            (loss,) = run(plan.closed.jaxpr, consts, local + list(example), analysis, inputs, records,
                           handler=handler)
             return loss, records
         # book-kept sites' probes, records and probe cotangents with the examples after the enclosing scans' axes,

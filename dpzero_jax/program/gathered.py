@@ -24,6 +24,7 @@ def mean_gradient_sum(loss_fn, params, batch, mask, layout):
     leaves, treedef = jax.tree.flatten(params)
     closed, analysis, _ = trace(loss_fn, whole_shapes(params, layout), batch)
     site_inputs = {path: None for path in analysis.sites}
+    consts = zero3.held_consts(closed.consts, layout)   # frozen variables' shards, as the leaves'
 
     def plain(site, invals, _, records):
         return bind(site.eqn, invals)
@@ -32,7 +33,7 @@ def mean_gradient_sum(loss_fn, params, batch, mask, layout):
         held = zero3.held(paths, leaves, layout)
 
         def one(example):
-            (loss,) = run(closed.jaxpr, closed.consts, held + list(example), analysis, site_inputs, {}, handler=plain)
+            (loss,) = run(closed.jaxpr, consts, held + list(example), analysis, site_inputs, {}, handler=plain)
             return loss
         losses = jax.vmap(one, spmd_axis_name=spmd.batch_axes(mask.shape[0]))(jax.tree.leaves(batch))
         return jnp.sum(jnp.where(mask, losses, 0.0)), losses
@@ -59,7 +60,8 @@ def gathered_apply(apply_fn, params, inputs, layout):
     closed = jax.make_jaxpr(flat)(whole, [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
                                           for x in input_leaves])
     analysis = Analysis(containers=set(_calls(closed.jaxpr)))
-    outs = run(closed.jaxpr, closed.consts, zero3.held(paths, leaves, layout) + input_leaves, analysis, {}, {})
+    consts = zero3.held_consts(closed.consts, layout)
+    outs = run(closed.jaxpr, consts, zero3.held(paths, leaves, layout) + input_leaves, analysis, {}, {})
     return jax.tree.unflatten(structure["out"], outs)
 
 

@@ -276,10 +276,11 @@ def program_ghost(cfg, plan, params, batch, mask, layout=None):
     fallback = sorted(analysis.fallback)
     handler = _ghost_handler(ghost_paths, cfg.norm_method,
                              frozenset(filter(analysis.in_remat, ghost_paths)), weighted_paths)
+    consts = zero3.held_consts(plan.closed.consts, layout)   # frozen variables' shards, as the leaves'
 
     def per_example(values, example, site_inputs):
         records: dict = {}
-        (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, site_inputs, records,
+        (loss,) = run(plan.closed.jaxpr, consts, values + list(example), analysis, site_inputs, records,
                       handler=handler)
         ports = {p: records.pop(p) for p in ghost_paths}
         ports.update({p: records.pop(_port_key(p)) for p in weighted_paths})

@@ -180,6 +180,7 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
     analysis = plan.analysis
     fallback = sorted(analysis.fallback)
     held = zero3.held(plan.paths, leaves, layout)
+    consts = zero3.held_consts(plan.closed.consts, layout)   # frozen variables' shards, as the leaves'
     fallback_whole = [zero3.materialise(held[i]) for i in fallback]
     tapped = local_tap.tapped_sites(analysis, layout)
     shared_records, shared_gradient = local_tap.sharing(analysis.shared_records, analysis.shared_gradient, tapped)
@@ -193,7 +194,7 @@ def _pass(plan: ProgramPlan, leaves, batch_leaves, layout=None):
             for i, v in zip(fallback, fallback_values):
                 values[i] = v
             records: dict = {}
-            (loss,) = run(plan.closed.jaxpr, plan.closed.consts, values + list(example), analysis, probes, records,
+            (loss,) = run(plan.closed.jaxpr, consts, values + list(example), analysis, probes, records,
                           handler=functools.partial(_probe_once, shared_records, tapped))
             return loss, records
 

@@ -273,6 +273,20 @@ def held(paths, leaves, layout) -> list:
     return [hold(path, x, layout) for path, x in zip(paths, leaves)]
 
 
+def held_consts(consts, layout) -> list:
+    """The traced program's constants as the interpreter holds them: the whole stand-in of a frozen variable the
+    ``layout`` knows (:class:`dpzero_jax.sharding.FrozenShards`) as a :class:`Deferred` shard, gathered at its uses
+    like a parameter; other constants unchanged."""
+    constant = getattr(layout, "constant", None)
+    if constant is None:
+        return list(consts)
+    out = []
+    for c in consts:
+        found = constant(c)
+        out.append(c if found is None else leaf(*found))
+    return out
+
+
 def hold(path: str, x, layout):
     """One leaf as the interpreter holds it (a :class:`Deferred` shard if ``layout`` splits it)."""
     return x if layout is None else leaf(x, layout.dim(path))
