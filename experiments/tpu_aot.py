@@ -113,7 +113,7 @@ CASES = {
     "llama2-7b": Case("llama2-7b", "llama", tuple(LLAMA2_7B.items()), 2048, 1, "v5e:16x16",
                       strategies=("gspmd", "explicit")),
     "llama2-70b-lora": Case("llama2-70b-lora", "llama", tuple(LLAMA2_70B.items()), 2048, 1, "v5p:4x4x8",
-                            lora_rank=8, strategies=("gspmd",)),
+                            lora_rank=8, strategies=("gspmd", "explicit")),
 }
 
 
