@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import tpu_aot  # noqa: E402  (a sibling script; imports JAX only to compile)
+import tpu_aot_tables  # noqa: E402
 
 from dpzero_jax import planner  # noqa: E402
 
@@ -123,6 +124,18 @@ def compare(case: tpu_aot.Case, points: dict) -> list[dict]:
     return rows
 
 
+def targets(points: dict) -> str:
+    """:func:`tpu_aot_tables.targets_table` with the planner's column: its figure over the compiler's peak for the
+    non-private and the ``auto`` DP step of the ``gspmd`` strategy, which its formulas describe."""
+    ratios = {}
+    for name in tpu_aot_tables.TARGET_CASES:
+        rows = compare(tpu_aot.CASES[name], {v: points.get(f"{name}/gspmd/{v}") for v in ("nonprivate", "dp")})
+        if len(rows) == 2 and all(r["peak_ratio"] for r in rows):
+            ratios[(name, "gspmd")] = " / ".join(f"{r['peak_ratio']:.2f}" for r in rows)
+            ratios[(name, "explicit")] = "(not modelled)"
+    return tpu_aot_tables.targets_table(points, ratios)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="gpt2-xl,gptj-6b,llama2-7b,llama2-70b-lora,gpt2-xl+remat-none",
@@ -133,8 +146,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--buffers", action="store_true", help="also record each compiled step's buffer assignment "
                         "(tpu_aot.py --buffers)")
+    parser.add_argument("--targets", action="store_true", help="print the issue's targets per case and strategy "
+                        "(tpu_aot.json; the planner against the gspmd steps' peaks) and stop")
     args = parser.parse_args(argv)
     cached = tpu_aot.load(os.path.join(HERE, "results", "tpu_aot.json")).get("points", {})
+    if args.targets:
+        print(targets(cached))
+        return []
     rows = []
     for name in filter(None, args.cases.split(",")):
         points = {v: cached.get(f"{name}/gspmd/{v}") for v in ("nonprivate", "dp")}

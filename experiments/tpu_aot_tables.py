@@ -1,7 +1,7 @@
 """The Markdown tables of ``tpu_aot.py``'s compiled points: per-device memory, FLOPs and collectives with DP against
 the same case's non-private step (:func:`table`), the buffer assignment beside ``memory_analysis()``
-(:func:`buffer_table`), and the Pallas TPU kernels compiled through the same path (:func:`kernel_table`). Plain
-text from the cached JSON: no JAX."""
+(:func:`buffer_table`), the issue's targets per case and strategy (:func:`targets_table`), and the Pallas TPU kernels
+compiled through the same path (:func:`kernel_table`). Plain text from the cached JSON: no JAX."""
 
 from __future__ import annotations
 
@@ -47,6 +47,36 @@ def table(points: dict) -> str:
         lines.append(head + f" {gib(r['temp_bytes'])} | {gib(r['argument_bytes'])} | {gib(r['output_bytes'])} "
                      f"| {r['flops'] / 1e12:.1f} | {colls or '-'} | {ratio_temp} | {ratio_coll} | {step_gb} "
                      f"| {ratio_step} | {mm_tf} | {ratio_mm} |")
+    return "\n".join(lines)
+
+
+TARGET_CASES = {"gpt2-xl": "GPT-2 XL, 256 v5e", "gptj-6b": "GPT-J-6B shape, 256 v5e",
+                "llama2-7b": "Llama-2-7B shape, 256 v5e", "llama2-70b-lora": "Llama-2-70B shape, LoRA, 128 v5p"}
+
+
+def targets_table(points: dict, planner: dict | None = None) -> str:
+    """One row per case and strategy: the non-private step's temporaries (``memory_analysis()``) and collective bytes
+    per executed step, and the DP steps' against them -- ``dp`` (``auto``, one all-layer group) and
+    ``dp-layerwise`` (one group per layer and scan iteration) -- temporaries ratio / collectives ratio.
+    ``planner``: ``{(case, strategy): text}`` for the last column (the planner against the compiler's peak)."""
+    lines = ["| model, chips | strategy | non-DP: temp GiB, collectives GB a step | DP `auto`: temp x, collectives x "
+             "| DP layer-wise: temp x, collectives x | planner / peak, non-DP / DP |",
+             "|---|---|---|---|---|---|"]
+    for case, label in TARGET_CASES.items():
+        for strategy in ("gspmd", "explicit"):
+            base = points.get(f"{case}/{strategy}/nonprivate")
+            if not base or "failed" in base:
+                continue
+            cells = [f"{gib(base['temp_bytes'])}, {base['collective_bytes_per_step'] / 1e9:.1f}"]
+            for variant in ("dp", "dp-layerwise"):
+                r = points.get(f"{case}/{strategy}/{variant}")
+                if not r or "failed" in r:
+                    cells.append("-")
+                    continue
+                cells.append(f"{r['temp_bytes'] / base['temp_bytes']:.2f}x, "
+                             f"{r['collective_bytes_per_step'] / base['collective_bytes_per_step']:.2f}x")
+            cells.append((planner or {}).get((case, strategy), "-"))
+            lines.append(f"| {label} | {strategy} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -87,6 +87,21 @@ def test_buffer_table_lists_only_points_with_a_buffer_assignment():
     assert aot.buffer_table({"m/explicit/dp": _point(2**30, 0)}) == ""
 
 
+def test_targets_table_rates_each_dp_step_against_its_strategys_non_private_step():
+    import tpu_aot_tables  # beside tpu_aot.py, on the path it put there
+
+    def point(temp_gib, step_gb):
+        return {"temp_bytes": temp_gib * 2**30, "collective_bytes_per_step": step_gb * 10**9}
+
+    points = {"gptj-6b/gspmd/nonprivate": point(2, 40), "gptj-6b/gspmd/dp": point(3, 60),
+              "gptj-6b/gspmd/dp-layerwise": point(2.2, 52), "gptj-6b/explicit/nonprivate": point(4, 50),
+              "gptj-6b/explicit/dp-layerwise": point(3, 50), "gptj-6b/explicit/dp": {"failed": "oom"},
+              "llama2-7b/explicit/nonprivate": {"failed": "oom"}}
+    rows = tpu_aot_tables.targets_table(points, {("gptj-6b", "gspmd"): "0.98 / 0.99"}).splitlines()[2:]
+    assert rows == ["| GPT-J-6B shape, 256 v5e | gspmd | 2.00, 40.0 | 1.50x, 1.50x | 1.10x, 1.30x | 0.98 / 0.99 |",
+                    "| GPT-J-6B shape, 256 v5e | explicit | 4.00, 50.0 | - | 0.75x, 1.00x | - |"]
+
+
 def test_table_mode_needs_no_libtpu(tmp_path):
     out = tmp_path / "r.json"
     out.write_text(json.dumps({"points": {"m/gspmd/nonprivate": _point(2**30, 0)}}))
