@@ -9,8 +9,9 @@ that maps each stand-in back to its shard (``ShardLayout.constant``). The traced
 stand-ins among the traced loss's constants (:func:`dpzero_jax.program.zero3.held_consts`), holds each as its shard
 and gathers it where the program uses it and again in the backward pass -- one scanned layer's slice at a time --
 as it does a parameter (no gradient); the stand-in itself is then unused and XLA drops it. A loss run outside that
-interpreter (a ``dpzero_jax.layers`` model, ``mode="vmap"``, stages 1-2) reads the stand-ins: every frozen variable
-gathered whole first (correct, not layer by layer).
+interpreter (a ``dpzero_jax.layers`` model, ``mode="vmap"``) reads the stand-ins: every frozen variable gathered
+whole first (correct, not layer by layer). At stages 1-2 the frozen variables are replicated: the stand-ins are
+the arrays themselves.
 """
 
 from __future__ import annotations

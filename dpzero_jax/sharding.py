@@ -361,8 +361,7 @@ def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_laye
 
     def gradient(params, batch, mask, *replicated, frozen=None):
         batch_specs = jax.tree.map(lambda _: batch_spec, batch)
-        frozen_specs = {} if frozen is None else _specs(rules.params(frozen))
-        dims = [_fsdp_dim(spec) for spec in jax.tree.leaves(frozen_specs, is_leaf=_is_spec)]
+        frozen_specs, dims = _frozen_specs(rules, frozen)
 
         def local(params, batch, mask, frozen_shards, *replicated):
             extra = {} if frozen is None else {"frozen": FrozenShards(frozen_shards, dims)}
@@ -380,8 +379,11 @@ def explicit_gradient(local_sum, rules: ShardingRules, params, *, gather_by_laye
     return gradient
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, PartitionSpec)
+def _frozen_specs(rules: ShardingRules, frozen) -> tuple:
+    """``(in_specs, split dimension per leaf)`` of the frozen variables as they enter a ``shard_map`` (``{}`` and
+    ``[]`` for None): laid out as the parameters are."""
+    specs = {} if frozen is None else _specs(rules.params(frozen))
+    return specs, [_fsdp_dim(spec) for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))]
 
 
 def explicit_private_gradient(loss_fn, cfg, rules: ShardingRules, params, *, gather_by_layer: bool = True,
@@ -490,8 +492,7 @@ def explicit_apply(apply_fn, rules: ShardingRules, params):
 
     def apply(params, inputs, frozen=None):
         input_specs = jax.tree.map(lambda _: batch_spec, inputs)
-        frozen_specs = {} if frozen is None else _specs(rules.params(frozen))
-        dims = [_fsdp_dim(spec) for spec in jax.tree.leaves(frozen_specs, is_leaf=_is_spec)]
+        frozen_specs, dims = _frozen_specs(rules, frozen)
 
         def local(params, inputs, frozen_shards):
             fn, held = bind_frozen_shards(apply_fn, layout, None if frozen is None else FrozenShards(frozen_shards,

@@ -14,6 +14,11 @@ is ever materialised):
 * ``llama2-70b`` 80 layers, d 8192, MLP 28672, 64 heads / 8 KV heads, vocab 32000, T 2048 (69B), LoRA rank 8 on
                  q/k/v/o/gate/up/down (``peft.apply``); the frozen base weights are bf16 arguments of the step.
 
+Not in the default run (``--cases``), the largest sizes: ``llama2-70b``, the 70B shape fully fine-tuned on
+``v5p:4x4x8``, and ``gpt3-175b``, GPT-3's shape on the GPT-2 block (96 layers, d 12288, 96 heads, vocab 50257,
+T 2048; 175B) on ``v5p:8x8x8`` (512 chips); ``--topology`` compiles them for another slice (the compiler refuses a
+step larger than the chip: recorded with the bytes it needed).
+
 The step (as ``dpzero_jax.train.Trainer`` builds it): gradient, cast to the fp32 master, constrained to the ZeRO-3
 gradient layout, ``optax.adam`` update; parameters and Adam moments sharded by ``sharding.ShardingRules(zero=3)``
 (fp32), activations bf16 (the model's ``dtype``), ``B`` examples per chip. ``nonprivate``: ``jax.value_and_grad`` of
@@ -105,6 +110,7 @@ LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, nu
                  num_attention_heads=32, max_position_embeddings=4096)
 LLAMA2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096)
+GPT3_175B = dict(vocab_size=50257, n_positions=2048, n_embd=12288, n_layer=96, n_head=96)
 CASES = {
     "gpt2-xl": Case("gpt2-xl", "gpt2", tuple(GPT2_XL.items()), 1024, 1, "v5e:16x16",
                     strategies=("gspmd", "explicit", "gspmd-nohint")),
@@ -114,7 +120,13 @@ CASES = {
                       strategies=("gspmd", "explicit")),
     "llama2-70b-lora": Case("llama2-70b-lora", "llama", tuple(LLAMA2_70B.items()), 2048, 1, "v5p:4x4x8",
                             lora_rank=8, strategies=("gspmd", "explicit")),
+    # the largest sizes: full fine-tuning of the 70B shape, and GPT-3's 175B shape (not in the default run)
+    "llama2-70b": Case("llama2-70b", "llama", tuple(LLAMA2_70B.items()), 2048, 1, "v5p:4x4x8",
+                       strategies=("gspmd", "explicit")),
+    "gpt3-175b": Case("gpt3-175b", "gpt2", tuple(GPT3_175B.items()), 2048, 1, "v5p:8x8x8",
+                      strategies=("gspmd", "explicit")),
 }
+DEFAULT_CASES = ("gpt2-xl", "gptj-6b", "llama2-7b", "llama2-70b-lora")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -344,7 +356,7 @@ def compile_kernels(topology: str, T: int = 1024, B: int = 1) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {tuple(CASES)}")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of {tuple(CASES)}")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS + EXTRA_VARIANTS)} "
                              f"(default: {','.join(VARIANTS)})")

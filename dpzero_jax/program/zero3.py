@@ -275,7 +275,7 @@ def held(paths, leaves, layout) -> list:
 
 def held_consts(consts, layout) -> list:
     """The traced program's constants as the interpreter holds them: the whole stand-in of a frozen variable the
-    ``layout`` knows (:class:`dpzero_jax.sharding.FrozenShards`) as a :class:`Deferred` shard, gathered at its uses
+    ``layout`` knows (:class:`dpzero_jax.frozen_shards.FrozenShards`) as a :class:`Deferred` shard, gathered at its uses
     like a parameter; other constants unchanged."""
     constant = getattr(layout, "constant", None)
     if constant is None:
