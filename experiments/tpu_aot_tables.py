@@ -51,7 +51,8 @@ def table(points: dict) -> str:
 
 
 TARGET_CASES = {"gpt2-xl": "GPT-2 XL, 256 v5e", "gptj-6b": "GPT-J-6B shape, 256 v5e",
-                "llama2-7b": "Llama-2-7B shape, 256 v5e", "llama2-70b-lora": "Llama-2-70B shape, LoRA, 128 v5p"}
+                "llama2-7b": "Llama-2-7B shape, 256 v5e", "llama2-70b-lora": "Llama-2-70B shape, LoRA, 128 v5p",
+                "llama2-70b": "Llama-2-70B shape, 128 v5p", "gpt3-175b": "GPT-3 175B shape, 512 v5p"}
 
 
 def targets_table(points: dict, planner: dict | None = None) -> str:
